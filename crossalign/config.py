@@ -1,0 +1,263 @@
+"""Model and training configuration: one YAML file per model, validated by pydantic.
+
+A config file has two sections, ``model`` (the architecture, SPEC section 2) and
+``training`` (the settings both frameworks must share, SPEC sections 5 and 6).
+Every backend (the embedded CPU models, the generated Megatron arguments and the
+generated MindFormers YAML) is derived from the same file, so the two sides
+cannot drift apart.
+
+Errors name the offending field: ``model.num_query_groups: 16 attention heads
+are not divisible into 5 query groups``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+
+LayerKind = Literal["attention", "gdn"]
+
+
+class ConfigError(ValueError):
+    """A model config file that cannot be used, with the file and field named."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """The Qwen3.5 hybrid architecture (GatedDeltaNet 3:1 gated attention, MTP, optional MoE)."""
+
+    name: str
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_query_groups: int = Field(gt=0)
+    kv_channels: int = Field(gt=0, description="head dim of the full-attention layers")
+    ffn_hidden_size: int = Field(gt=0, description="dense SwiGLU intermediate size")
+    vocab_size: int = Field(gt=0)
+    padded_vocab_size: int = Field(gt=0, description="rows of the embedding and output layer")
+    max_position_embeddings: int = Field(gt=0)
+    norm_epsilon: float = Field(default=1e-5, gt=0)
+    rotary_base: float = Field(default=1_000_000.0, gt=0)
+    rotary_percent: float = Field(default=0.25, gt=0, le=1)
+    init_method_std: float = Field(default=0.02, gt=0)
+
+    # GatedDeltaNet (linear attention)
+    linear_attention_freq: int = Field(default=4, gt=0, description="layer i is full attention iff (i+1) % freq == 0")
+    linear_conv_kernel_dim: int = Field(default=4, gt=0)
+    linear_key_head_dim: int = Field(gt=0)
+    linear_value_head_dim: int = Field(gt=0)
+    linear_num_key_heads: int = Field(gt=0)
+    linear_num_value_heads: int = Field(gt=0)
+    gdn_in_proj_layout: Literal["fused", "split"] | None = Field(
+        default=None,
+        description="MindSpore-side GDN input projection: one in_proj (fused) or in_proj_qkv + linear_g/b/a "
+        "(split). Default: split for dense, fused for MoE, as MindFormers stores them.",
+    )
+
+    # Multi-token prediction
+    mtp_num_layers: int = Field(default=1, ge=0)
+    mtp_loss_scaling_factor: float = Field(default=1.0, ge=0)
+
+    # Mixture of experts (num_experts None means dense FFN everywhere)
+    num_experts: int | None = Field(default=None, gt=0)
+    moe_router_topk: int = Field(default=2, gt=0)
+    moe_ffn_hidden_size: int | None = Field(default=None, gt=0)
+    moe_shared_expert_intermediate_size: int | None = Field(default=None, gt=0)
+    moe_shared_expert_gate: bool = True
+    moe_router_score_function: Literal["softmax"] = "softmax"
+    norm_topk_prob: bool = True
+    moe_router_topk_scaling_factor: float = Field(default=1.0, gt=0)
+    moe_router_dtype: Literal["fp32"] = "fp32"
+    moe_aux_loss_coeff: float = Field(default=0.001, ge=0)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> "ModelConfig":
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"{field}: {why}")
+
+        if self.num_attention_heads % self.num_query_groups:
+            raise bad("num_query_groups", f"{self.num_attention_heads} attention heads are not divisible "
+                      f"into {self.num_query_groups} query groups")
+        if self.padded_vocab_size < self.vocab_size:
+            raise bad("padded_vocab_size", f"{self.padded_vocab_size} is smaller than vocab_size {self.vocab_size}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise bad("rotary_percent", f"rotary dim int({self.kv_channels} * {self.rotary_percent}) = "
+                      f"{self.rotary_dim} must be even and at least 2")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise bad("linear_num_value_heads", f"{self.linear_num_value_heads} value heads are not a multiple "
+                      f"of {self.linear_num_key_heads} key heads")
+        if self.num_layers < self.linear_attention_freq:
+            raise bad("num_layers", f"{self.num_layers} layers hold no full-attention layer with "
+                      f"linear_attention_freq {self.linear_attention_freq}")
+        if self.num_experts is not None:
+            if self.moe_ffn_hidden_size is None:
+                raise bad("moe_ffn_hidden_size", "required when num_experts is set")
+            if self.moe_shared_expert_intermediate_size is None:
+                raise bad("moe_shared_expert_intermediate_size", "required when num_experts is set")
+            if not 0 < self.moe_router_topk <= self.num_experts:
+                raise bad("moe_router_topk", f"top-{self.moe_router_topk} of {self.num_experts} experts")
+        return self
+
+    # ---- derived layout -------------------------------------------------------------------
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def kind(self) -> Literal["dense", "moe"]:
+        return "moe" if self.is_moe else "dense"
+
+    def layer_kind(self, index: int) -> LayerKind:
+        """Layer ``index`` (0-based) is full attention iff (index+1) % linear_attention_freq == 0."""
+        return "attention" if (index + 1) % self.linear_attention_freq == 0 else "gdn"
+
+    @cached_property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(self.layer_kind(i) for i in range(self.num_layers))
+
+    @property
+    def in_proj_layout(self) -> Literal["fused", "split"]:
+        if self.gdn_in_proj_layout is not None:
+            return self.gdn_in_proj_layout
+        return "fused" if self.is_moe else "split"
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.kv_channels * self.rotary_percent)
+
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of linear_qkv: per query group [q heads | gate heads | k | v], each kv_channels wide."""
+        return self.num_query_groups * (2 * self.heads_per_group + 2) * self.kv_channels
+
+    @property
+    def attention_output_size(self) -> int:
+        return self.num_attention_heads * self.kv_channels
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the causal conv1d: [q | k | v]."""
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @property
+    def in_proj_rows(self) -> int:
+        """Rows of the GDN in_proj: [q | k | v | z | beta | alpha]."""
+        return self.conv_channels + self.gdn_value_dim + 2 * self.linear_num_value_heads
+
+
+class TrainingConfig(_Strict):
+    """Settings that both training runs must share (SPEC sections 5 and 6)."""
+
+    seq_length: int = Field(gt=0)
+    micro_batch_size: int = Field(default=1, gt=0)
+    global_batch_size: int = Field(gt=0)
+    train_iters: int = Field(gt=0, description="steps of the alignment runs (DAG steps 4 and 5)")
+    base_train_iters: int = Field(gt=0, description="steps of the base run (DAG step 1)")
+    seed: int = 1234
+    lr: float = Field(gt=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    lr_warmup_iters: int = Field(default=0, ge=0)
+    lr_warmup_init: float = Field(default=0.0, ge=0)
+    lr_decay_style: Literal["constant"] = "constant"
+    weight_decay: float = Field(default=0.01, ge=0)
+    adam_beta1: float = Field(default=0.9, gt=0, lt=1)
+    adam_beta2: float = Field(default=0.999, gt=0, lt=1)
+    adam_eps: float = Field(default=1e-8, gt=0)
+    clip_grad: float = Field(default=1.0, gt=0)
+    attention_dropout: float = Field(default=0.0, ge=0, le=0, description="alignment needs dropout 0")
+    hidden_dropout: float = Field(default=0.0, ge=0, le=0, description="alignment needs dropout 0")
+    split: str = "1,0,0"
+    dataloader_type: Literal["single", "cyclic"] = "single"
+    bf16: bool = True
+    deterministic: bool = True
+    megatron_core_version: str = Field(default="0.16.1", description="decides the MTP key prefix and log semantics")
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> "TrainingConfig":
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size: {self.global_batch_size} is not a multiple of "
+                             f"micro_batch_size {self.micro_batch_size}")
+        parts = self.split.split(",")
+        if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
+            raise ValueError(f"split: {self.split!r} is not three comma-separated weights like '1,0,0'")
+        return self
+
+    @property
+    def train_samples(self) -> int:
+        return self.train_iters * self.global_batch_size
+
+
+class AlignmentConfig(_Strict):
+    """One config file: the model and the shared training settings."""
+
+    model: ModelConfig
+    training: TrainingConfig
+
+    @model_validator(mode="after")
+    def _check_sequence(self) -> "AlignmentConfig":
+        if self.training.seq_length > self.model.max_position_embeddings:
+            raise ValueError(f"training.seq_length: {self.training.seq_length} exceeds "
+                             f"model.max_position_embeddings {self.model.max_position_embeddings}")
+        return self
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A path to a YAML file, or the name of a shipped config (``qwen35_dense_tiny``)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    shipped = CONFIG_DIR / f"{path.stem}.yaml"
+    if shipped.exists():
+        return shipped
+    if path.exists():
+        return path
+    known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"{name_or_path}: no such config file, and no shipped config of that name (known: {known})")
+
+
+def _format_validation_error(path: Path, error: ValidationError) -> str:
+    lines = [f"{path}: invalid config"]
+    for item in error.errors():
+        location = ".".join(str(p) for p in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field"
+        lines.append(f"  {location}: {message}" if location else f"  {message}")
+    return "\n".join(lines)
+
+
+def load_config(name_or_path: str | Path) -> AlignmentConfig:
+    """Read and validate a config file; errors name the file and the field."""
+    path = resolve_config_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'model' and 'training' sections")
+    try:
+        return AlignmentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(path, exc)) from None

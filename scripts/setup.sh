@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up crossalign on a fresh machine: a virtual environment in .venv with the embedded CPU
+# backends (MindSpore 2.10 CPU, torch 2.13.0 CPU, fla-core, megatron-core). With --dev, also the
+# test tools and the OpenSSH server that the SSH runner's tests start on loopback.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="local"
+if [[ "${1:-}" == "--dev" ]]; then
+    extras="local,dev"
+    if ! command -v sshd >/dev/null 2>&1 && [[ ! -x /usr/sbin/sshd ]]; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null) \
+            || echo "warning: could not install openssh-server; the SSH tests will be skipped" >&2
+    fi
+fi
+
+if [[ ! -x .venv/bin/python ]]; then
+    python3 -m venv .venv
+fi
+# torch==2.13.0 resolves to the CPU build that pip finds on this machine (see README).
+.venv/bin/pip install -q --disable-pip-version-check -e ".[${extras}]"
