@@ -1,0 +1,109 @@
+"""The site config: where this installation keeps its runs and finds the real frameworks.
+
+One YAML file per site (``crossalign.site.yaml`` in the working directory, or the path in
+``CROSSALIGN_SITE``). Without one, everything runs embedded on this machine: the run store is
+``./runs`` and both training sides use the CPU backends.
+
+```yaml
+store: /mnt/shared/crossalign-runs      # every agent mounts the same path
+backends: {npu: mindformers, gpu: megatron}
+mindformers:
+  path: /opt/mindformers                # a MindFormers checkout
+  python: /usr/local/python3.9/bin/python3   # the framework's own interpreter
+  nproc_per_node: 8
+  env: {ASCEND_RT_VISIBLE_DEVICES: "0,1,2,3,4,5,6,7"}
+megatron:
+  path: /opt/Megatron-LM
+  python: /opt/conda/bin/python
+  nproc_per_node: 8
+  ssh_host: gpu01                       # run there over SSH instead of locally
+ssh_hosts:
+  gpu01: {hostname: 10.0.0.12, username: train, key_file: ~/.ssh/id_ed25519}
+```
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SITE_ENV = "CROSSALIGN_SITE"
+DEFAULT_SITE_FILE = "crossalign.site.yaml"
+
+
+class SiteError(ValueError):
+    """A site config that cannot be used, with the file and field named."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SshHost(_Strict):
+    hostname: str
+    port: int = 22
+    username: str | None = None
+    key_file: Path | None = None
+    known_hosts: Path | None = Field(default=None, description="default: ~/.ssh/known_hosts; unknown keys are refused")
+
+
+class FrameworkSite(_Strict):
+    """One real framework: its checkout, its interpreter, how many devices per node, where it runs."""
+
+    path: Path | None = None
+    python: str = "python3"
+    nproc_per_node: int = Field(default=1, gt=0)
+    env: dict[str, str] = Field(default_factory=dict)
+    ssh_host: str | None = None
+    workdir: Path | None = Field(default=None, description="working directory on the remote host")
+
+
+class SiteConfig(_Strict):
+    store: Path = Path("runs")
+    backends: dict[Literal["npu", "gpu"], Literal["local", "mindformers", "megatron"]] = Field(
+        default_factory=lambda: {"npu": "local", "gpu": "local"}
+    )
+    mindformers: FrameworkSite = Field(default_factory=FrameworkSite)
+    megatron: FrameworkSite = Field(default_factory=FrameworkSite)
+    ssh_hosts: dict[str, SshHost] = Field(default_factory=dict)
+    prefect_api_url: str | None = None
+
+    def ssh_host(self, name: str) -> SshHost:
+        try:
+            return self.ssh_hosts[name]
+        except KeyError:
+            known = ", ".join(sorted(self.ssh_hosts)) or "none"
+            raise SiteError(f"ssh host {name!r} is not defined in ssh_hosts (defined: {known})") from None
+
+
+def site_path() -> Path | None:
+    """The site file in use: $CROSSALIGN_SITE, else ./crossalign.site.yaml if present, else none."""
+    if os.environ.get(SITE_ENV):
+        return Path(os.environ[SITE_ENV])
+    local = Path(DEFAULT_SITE_FILE)
+    return local if local.exists() else None
+
+
+def load_site(path: str | Path | None = None) -> SiteConfig:
+    """Read the site config; with no file, the embedded defaults."""
+    path = Path(path) if path is not None else site_path()
+    if path is None:
+        return SiteConfig()
+    if not path.exists():
+        raise SiteError(f"{path}: site config not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+        site = SiteConfig.model_validate(raw)
+    except yaml.YAMLError as exc:
+        raise SiteError(f"{path}: not valid YAML: {exc}") from exc
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SiteError(f"{path}: invalid site config: {problems}") from None
+    for framework in (site.mindformers, site.megatron):
+        if framework.ssh_host is not None:
+            site.ssh_host(framework.ssh_host)
+    return site
