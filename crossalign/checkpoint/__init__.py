@@ -1,0 +1,5 @@
+"""MindFormers and Megatron checkpoints: reading, writing, the bf16 cast and the conversion rules."""
+
+from crossalign.checkpoint.errors import CheckpointError
+
+__all__ = ["CheckpointError"]
