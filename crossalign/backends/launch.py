@@ -1,0 +1,107 @@
+"""Launching a real framework: a re-runnable run script, line streaming, and log verdicts.
+
+Both real backends (Megatron on GPU, MindFormers on NPU) work the same way: they write
+``run_<framework>.sh`` into the step folder (environment, working directory, the exact
+command: a person can re-run it by hand), run it with output captured line by line into the
+step's log, and then judge the log, because neither framework's exit status can be trusted
+alone (Megatron exits 0 after a checkpoint it could not unpickle).
+
+A runner is any callable ``runner(script, log_path, on_line) -> exit status``. The default,
+:func:`run_script_locally`, runs ``bash script`` here; an SSH runner (the agents layer) can run
+the same script on another host that mounts the same storage.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+LineCallback = Callable[[str], None]
+Runner = Callable[[Path, Path, LineCallback], int]
+
+
+class BackendRunError(RuntimeError):
+    """A real training run that did not do what was asked; the message names the log and the line."""
+
+
+class BackendSetupError(ValueError):
+    """A real backend that cannot be launched as configured (missing checkout, wrong version, ...)."""
+
+
+@dataclass(frozen=True)
+class RunScript:
+    """What a run script holds: environment, working directory and one command."""
+
+    command: Sequence[str]
+    cwd: Path
+    env: Mapping[str, str]
+    title: str
+
+    def render(self) -> str:
+        lines = [
+            "#!/usr/bin/env bash",
+            f"# {self.title}",
+            "# Written by crossalign; run it again by hand with: bash " + shlex.quote("<this file>"),
+            "set -euo pipefail",
+        ]
+        lines += [f"export {key}={shlex.quote(str(value))}" for key, value in sorted(self.env.items())]
+        lines.append(f"cd {shlex.quote(str(self.cwd))}")
+        lines.append("exec " + " \\\n    ".join(shlex.quote(str(part)) for part in self.command))
+        return "\n".join(lines) + "\n"
+
+
+def write_run_script(path: Path, script: RunScript) -> Path:
+    """Write the script atomically (temporary sibling, then rename) and make it executable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(script.render())
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
+    return path
+
+
+def run_script_locally(script: Path, log_path: Path, on_line: LineCallback) -> int:
+    """Run ``bash script`` here, stdout and stderr merged, each line appended to the log as it comes."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w", encoding="utf-8") as log, subprocess.Popen(
+        ["bash", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        bufsize=1,
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            log.write(line)
+            log.flush()
+            on_line(line.rstrip("\n"))
+        return process.wait()
+
+
+def first_line_with(log_path: Path, needles: Sequence[str]) -> tuple[int, str] | None:
+    """The first (1-based line number, line) of the log that contains any of the needles."""
+    with open(log_path, encoding="utf-8", errors="replace") as log:
+        for number, line in enumerate(log, start=1):
+            if any(needle in line for needle in needles):
+                return number, line.rstrip("\n")
+    return None
+
+
+def failure_summary(log_path: Path, tail: int = 15) -> str:
+    """The last lines of a failed run's log, for an error message."""
+    if not log_path.exists():
+        return f"{log_path}: no log was written"
+    lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return "\n".join(lines[-tail:])
+
+
+def missing_steps(seen: set[int], expected: int) -> list[int]:
+    """Steps 1..expected that no log line reported."""
+    return [step for step in range(1, expected + 1) if step not in seen]
+
