@@ -1,0 +1,90 @@
+"""Cast a MindFormers checkpoint to bf16 (DAG step 2), whatever the model, one tensor at a time.
+
+The output has the input's layout: the tracker and the ``iteration_%08d`` folder (or a bare
+folder), every safetensors file with the same tensors in the same order and the same header
+metadata, floating tensors cast to bf16 and the others unchanged, and every other file of
+the folder (common.json, metadata.json) copied as is. The cast streams: each output file's
+header is written from the input header, then each tensor is read, cast, written and
+dropped, so memory holds one tensor at a time whatever the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from crossalign.checkpoint.atomic import atomic_directory, check_output_dir
+from crossalign.checkpoint.errors import CheckpointError
+from crossalign.checkpoint.mindformers import TRACKER, read_mindformers_checkpoint
+from crossalign.checkpoint.safetensors_io import FLOATING, SafetensorsWriter, TensorInfo, read_header, read_tensor
+
+Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, tensor name)
+
+
+@dataclass
+class CastReport:
+    input_dir: Path
+    output_dir: Path
+    files: list[Path]
+    tensors: int
+    cast: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+
+
+def _cast_file(source: Path, target: Path, progress: Callable[[str], None]) -> tuple[int, int, int, int]:
+    infos, metadata = read_header(source)
+    out_infos = [TensorInfo(info.name, "BF16" if info.dtype in FLOATING else info.dtype, info.shape) for info in infos]
+    cast = sum(info.dtype in FLOATING and info.dtype != "BF16" for info in infos)
+    with SafetensorsWriter(target, out_infos, metadata) as writer:
+        for info in infos:
+            tensor = read_tensor(source, info.name)
+            writer.write(info.name, tensor.to(torch.bfloat16) if info.dtype in FLOATING else tensor)
+            del tensor
+            progress(info.name)
+    return len(infos), cast, sum(i.nbytes for i in infos), sum(i.nbytes for i in out_infos)
+
+
+def cast_bf16(input_dir: Path, output_dir: Path, progress: Progress | None = None) -> CastReport:
+    """Write a bf16 copy of the checkpoint at ``input_dir`` into ``output_dir`` (new or empty); atomic."""
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    check_output_dir(output_dir)
+    start = time.perf_counter()
+    checkpoint = read_mindformers_checkpoint(input_dir)  # checks the layout and every header first
+    directory = checkpoint.directory
+    extra = [p for p in sorted(directory.iterdir()) if p.suffix != ".safetensors"]
+    folders = [p for p in extra if p.is_dir()]
+    if folders:
+        raise CheckpointError(f"{directory}: unexpected folder {folders[0].name} in a checkpoint folder")
+    total = len(checkpoint.entries)
+    done = 0
+    counts = [0, 0, 0, 0]
+
+    def advance(name: str) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total, name)
+
+    with atomic_directory(output_dir) as staging:
+        target_dir = staging
+        if checkpoint.tracker_root is not None:
+            shutil.copy2(checkpoint.tracker_root / TRACKER, staging / TRACKER)
+            target_dir = staging / directory.name
+            target_dir.mkdir()
+        for file in checkpoint.files:
+            for i, value in enumerate(_cast_file(file, target_dir / file.name, advance)):
+                counts[i] += value
+        for file in extra:
+            shutil.copy2(file, target_dir / file.name)
+    relative = target_dir.relative_to(staging)
+    return CastReport(input_dir=input_dir, output_dir=output_dir,
+                      files=[output_dir / relative / file.name for file in checkpoint.files],
+                      tensors=counts[0], cast=counts[1], bytes_in=counts[2], bytes_out=counts[3],
+                      seconds=time.perf_counter() - start)

@@ -1,0 +1,221 @@
+"""MindSpore (MindFormers) <-> Megatron checkpoint conversion, checked before anything is written.
+
+The rules of ``rules.py`` do the work; this module checks the input against the model's
+shape table, runs the rules (each input key exactly once), checks the output against the
+other side's table, and only then writes. Any mismatch is a ``CheckpointError`` that names
+the keys, and nothing is written. A fault-injected conversion (``faults.py``) skips the
+output check on purpose, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Mapping
+
+import torch
+
+from crossalign.checkpoint.atomic import check_output_dir
+from crossalign.checkpoint.errors import CheckpointError
+from crossalign.checkpoint.faults import inject_fault
+from crossalign.checkpoint.layout import check_expert_form, megatron_shapes, mindformers_shapes
+from crossalign.checkpoint.megatron import read_megatron_checkpoint, write_megatron_checkpoint
+from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.checkpoint.reshard import check_parallel_sizes
+from crossalign.checkpoint.rules import PlacedRule, conversion_plan
+from crossalign.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+Direction = Literal["ms2mg", "mg2ms"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "keep": None}
+Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, what is being done)
+Shapes = Mapping[str, tuple[int, ...]]
+_SHOWN = 8
+
+
+@dataclass
+class ConvertReport:
+    direction: str
+    input_dir: Path
+    output_dir: Path
+    iteration: int
+    keys_in: int
+    keys_out: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    files: list[Path] = field(default_factory=list)
+    tp: int = 1
+    pp: int = 1
+    dtype: str = "fp32"
+    fault: str | None = None
+    output_validated: bool = True
+
+
+def _names(keys) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def check_state(shapes: Shapes, expected: Shapes, what: str,
+                also_accepted: Callable[[str, tuple[int, ...]], bool] = lambda key, shape: False) -> None:
+    """Keys and shapes must match the table exactly; the error lists every kind of mismatch at once."""
+    missing = expected.keys() - shapes.keys()
+    unexpected = shapes.keys() - expected.keys()
+    wrong = [f"{key} {list(shapes[key])} (expected {list(expected[key])})"
+             for key in sorted(shapes.keys() & expected.keys())
+             if tuple(shapes[key]) != tuple(expected[key]) and not also_accepted(key, tuple(shapes[key]))]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing keys: {_names(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected keys: {_names(unexpected)}")
+    if wrong:
+        problems.append(f"{len(wrong)} wrong shapes: " + "; ".join(wrong[:_SHOWN]))
+    if problems:
+        raise CheckpointError(f"{what}: " + "; ".join(problems))
+
+
+def _graph_expert_layout(model: ModelConfig) -> Callable[[str, tuple[int, ...]], bool]:
+    """MindFormers graph mode stores routed experts flattened: [E*H, 2i] / [E*i, H]."""
+    table = mindformers_shapes(model)
+
+    def accepted(key: str, shape: tuple[int, ...]) -> bool:
+        full = table[key]
+        return key.endswith(("mlp.experts.weight1", "mlp.experts.weight2")) and shape == (full[0] * full[1], full[2])
+    return accepted
+
+
+def _run(plan: list[PlacedRule], fetch: Callable[[str], torch.Tensor], total_inputs: int, forward: bool,
+         progress: Progress | None) -> dict[str, torch.Tensor]:
+    """Apply every placed rule once; each input key is fetched exactly once."""
+    out: dict[str, torch.Tensor] = {}
+    used = 0
+    for placed in plan:
+        sources, targets = (placed.ms_keys, placed.mg_keys) if forward else (placed.mg_keys, placed.ms_keys)
+        inputs = [fetch(key) for key in sources]
+        used += len(sources)
+        outputs = placed.rule.forward(inputs) if forward else placed.rule.inverse(inputs)
+        for key, tensor in zip(targets, outputs, strict=True):
+            if key in out:
+                raise CheckpointError(f"two rules write {key!r}")
+            out[key] = tensor
+        if progress:
+            progress(used, total_inputs, sources[0])
+    if used != total_inputs:
+        raise CheckpointError(f"the rules used {used} of {total_inputs} input keys")
+    return out
+
+
+def _forward(fetch: Callable[[str], torch.Tensor], shapes: Shapes, model: ModelConfig, core_version: str,
+             experts: str, fault: str | None, what: str, progress: Progress | None) -> dict[str, torch.Tensor]:
+    check_state(shapes, mindformers_shapes(model), f"{what} does not match model {model.name}",
+                _graph_expert_layout(model) if model.is_moe else lambda key, shape: False)
+    plan = conversion_plan(model, core_version, check_expert_form(experts))
+    if fault is not None:
+        plan = inject_fault(plan, fault, model, core_version)
+    out = _run(plan, fetch, len(shapes), True, progress)
+    if fault is None:
+        check_state({k: tuple(v.shape) for k, v in out.items()}, megatron_shapes(model, core_version, experts),
+                    f"Megatron output for model {model.name} (core {core_version})")
+    else:
+        log.warning("fault %r injected: the Megatron output keys and shapes were NOT validated", fault)
+    return out
+
+
+def mindformers_to_megatron(state: Mapping[str, torch.Tensor], model: ModelConfig, core_version: str = "0.16.1",
+                            experts: str = "per_expert", fault: str | None = None) -> dict[str, torch.Tensor]:
+    """A MindFormers state dict (pynative or graph expert layout) as a Megatron state dict (TP=1, PP=1)."""
+    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
+    return _forward(state.__getitem__, shapes, model, core_version, experts, fault, "MindFormers state", None)
+
+
+def _expert_form_of(keys) -> str:
+    return "per_expert" if any(key.endswith("mlp.experts.linear_fc1.weight0") for key in keys) else "stacked"
+
+
+def _inverse(fetch: Callable[[str], torch.Tensor], shapes: Shapes, model: ModelConfig, core_version: str,
+             what: str, progress: Progress | None) -> dict[str, torch.Tensor]:
+    experts = _expert_form_of(shapes)
+    check_state(shapes, megatron_shapes(model, core_version, experts),
+                f"{what} does not match model {model.name} (core {core_version}, {experts} experts)")
+    out = _run(conversion_plan(model, core_version, experts), fetch, len(shapes), False, progress)
+    check_state({k: tuple(v.shape) for k, v in out.items()}, mindformers_shapes(model),
+                f"MindFormers output for model {model.name}")
+    return out
+
+
+def megatron_to_mindformers(state: Mapping[str, torch.Tensor], model: ModelConfig,
+                            core_version: str = "0.16.1") -> dict[str, torch.Tensor]:
+    """The exact inverse of mindformers_to_megatron (either expert form in; pynative expert layout out)."""
+    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
+    return _inverse(state.__getitem__, shapes, model, core_version, "Megatron state", None)
+
+
+def _cast(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
+    target = DTYPES[dtype]
+    if target is None or not tensor.is_floating_point() or tensor.dtype == target:
+        return tensor
+    return tensor.to(target)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path, output_dir: Path, *,
+                       core_version: str = "0.16.1", dtype: str = "fp32", experts: str = "per_expert",
+                       tp: int = 1, pp: int = 1, fault: str | None = None, common: dict | None = None,
+                       progress: Progress | None = None) -> ConvertReport:
+    """Convert a checkpoint folder into a new folder (which must not exist or be empty).
+
+    ms2mg reads a MindFormers checkpoint tensor by tensor and writes a Megatron legacy
+    checkpoint resharded to tp x pp; mg2ms merges a Megatron checkpoint and writes a
+    single-rank MindFormers checkpoint with ``common`` (default: a fresh common.json).
+    ``dtype`` casts floating tensors (fp32, as the source converter does, bf16, or keep).
+    """
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    if direction not in ("ms2mg", "mg2ms"):
+        raise CheckpointError(f"direction {direction!r} is not ms2mg or mg2ms")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_expert_form(experts)
+    check_parallel_sizes(model, tp, pp)
+    if direction == "mg2ms" and (tp, pp) != (1, 1):
+        raise CheckpointError("mg2ms writes a single-rank MindFormers checkpoint: --tp and --pp apply to ms2mg only")
+    if fault is not None and (direction != "ms2mg" or (tp, pp) != (1, 1)):
+        raise CheckpointError("fault injection simulates a single-rank ms2mg converter: use it with ms2mg, tp=1, pp=1")
+    check_output_dir(output_dir)
+    start = time.perf_counter()
+    if direction == "ms2mg":
+        source = read_mindformers_checkpoint(input_dir)
+        entries = source.model_entries()
+        iteration = source.iteration or 0
+        state = _forward(lambda key: _cast(source.tensor(key), dtype), {k: i.shape for k, i in entries.items()},
+                         model, core_version, experts, fault, f"MindFormers checkpoint {source.directory}", progress)
+        bytes_in = sum(info.nbytes for info in entries.values())
+        keys_in, keys_out, bytes_out = len(entries), len(state), _nbytes(state.values())
+        if progress:
+            progress(keys_in, keys_in, f"writing {tp * pp} Megatron file(s)")
+        written = write_megatron_checkpoint(output_dir, iteration, state, model=model, tp=tp, pp=pp)
+        files = sorted(written.glob("mp_rank_*/*.pt"))
+    else:
+        source_mg = read_megatron_checkpoint(input_dir, model)
+        iteration = source_mg.iteration
+        loaded = source_mg.state
+        keys_in, bytes_in = len(loaded), _nbytes(loaded.values())
+        state = _inverse(lambda key: _cast(loaded.pop(key), dtype), {k: tuple(t.shape) for k, t in loaded.items()},
+                         model, core_version, f"Megatron checkpoint {source_mg.directory}", progress)
+        keys_out, bytes_out = len(state), _nbytes(state.values())
+        if progress:
+            progress(keys_in, keys_in, "writing the MindFormers file")
+        written = write_mindformers_checkpoint(output_dir, iteration, state, None, common or default_common(iteration))
+        files = sorted(written.glob("*.safetensors"))
+    return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
+                         keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
+                         seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, dtype=dtype, fault=fault,
+                         output_validated=fault is None)

@@ -1,0 +1,113 @@
+"""The conversion pitfalls of SPEC section 9, injectable on purpose.
+
+``convert(..., fault=NAME)`` converts with one rule broken the way a buggy third-party
+converter breaks it, and writes the result without checking the output keys, so that the
+self-check can prove it catches each pitfall from the training numbers alone. A broken rule
+reads the same inputs as the correct one; only its outputs (values or names) are wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from crossalign.checkpoint.errors import CheckpointError
+from crossalign.checkpoint.layout import mtp_layer_prefix
+from crossalign.checkpoint.rules import Deinterleave, Fuse, PlacedRule, Rename, Rule, Squeeze, Tensors, TransposeExperts
+from crossalign.config import ModelConfig
+
+FAULTS: dict[str, str] = {
+    "routed_expert_not_transposed": "routed expert weights reshaped to Megatron's shape instead of transposed "
+                                    "(invisible in the shapes when H == 2*moe_ffn)",
+    "shared_fc1_not_deinterleaved": "shared-expert fc1 copied with MindSpore's interleaved gate/up rows",
+    "dense_fc1_not_deinterleaved": "dense fc1 copied with MindSpore's interleaved gate/up rows",
+    "in_proj_wrong_order": "GDN in_proj assembled as [qkv | z | alpha | beta] instead of [qkv | z | beta | alpha]",
+    "conv1d_wrong_axis": "GDN conv1d kernel read as kernel-major (K, C): each channel gets other channels' taps",
+    "a_log_not_renamed": "GDN a_log written under its MindSpore name, so Megatron never loads A_log",
+    "wrong_mtp_prefix": "MTP inner layer written under the other core version's prefix "
+                        "(transformer_layer vs mtp_model_layer), so Megatron never loads it",
+    "gate_up_swapped": "SwiGLU fc1 written as [up; gate] instead of [gate; up] (dense, shared and routed experts)",
+}
+
+
+@dataclass(frozen=True)
+class Faulty(Rule):
+    """A rule as a buggy converter applies it: the correct rule's inputs, wrong values or names out."""
+
+    correct: Rule
+    broken: Callable[[Tensors], Tensors]
+    names: tuple[str, ...] | None = None
+
+    @property
+    def ms(self) -> tuple[str, ...]:
+        return self.correct.ms
+
+    @property
+    def mg(self) -> tuple[str, ...]:
+        return self.names or self.correct.mg
+
+    def forward(self, tensors: Tensors) -> Tensors:
+        return self.broken(tensors)
+
+    def inverse(self, tensors: Tensors) -> Tensors:
+        raise CheckpointError("a fault-injected conversion runs one way only (MindSpore -> Megatron)")
+
+
+def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """[gate; up] -> [up; gate] along the row axis (dim -2 of both [2i, H] and [E, 2i, H])."""
+    gate, up = tensor.chunk(2, dim=-2)
+    return torch.cat((up, gate), dim=-2)
+
+
+def _break(rule: Rule, fault: str, model: ModelConfig) -> Rule | None:
+    """The broken form of ``rule`` under ``fault``, or None when the fault leaves this rule alone."""
+    if fault == "routed_expert_not_transposed" and isinstance(rule, TransposeExperts):
+        def reshaped(tensors: Tensors, r: TransposeExperts = rule) -> Tensors:
+            stacked = r.stacked_input(tensors[0])
+            return r.outputs(stacked.reshape(stacked.shape[0], stacked.shape[2], stacked.shape[1]))
+        return Faulty(rule, reshaped)
+    if fault == "shared_fc1_not_deinterleaved" and isinstance(rule, Deinterleave) and "shared_experts" in rule.source:
+        return Faulty(rule, lambda tensors: [tensors[0]])
+    if fault == "dense_fc1_not_deinterleaved" and isinstance(rule, Deinterleave) and "shared_experts" not in rule.source:
+        return Faulty(rule, lambda tensors: [tensors[0]])
+    if fault == "in_proj_wrong_order" and rule.mg == ("self_attention.in_proj.weight",):
+        if isinstance(rule, Fuse):  # parts qkv, z, beta, alpha
+            return Faulty(rule, lambda t: [torch.cat((t[0], t[1], t[3], t[2]), dim=0)])
+        heads = model.linear_num_value_heads
+
+        def alpha_before_beta(tensors: Tensors) -> Tensors:
+            head, beta, alpha = tensors[0].tensor_split((-2 * heads, -heads), dim=0)
+            return [torch.cat((head, alpha, beta), dim=0)]
+        return Faulty(rule, alpha_before_beta)
+    if fault == "conv1d_wrong_axis" and isinstance(rule, Squeeze):
+        def kernel_major(tensors: Tensors) -> Tensors:
+            channels, kernel = tensors[0].shape[0], tensors[0].shape[-1]
+            return [tensors[0].reshape(kernel, channels).t().reshape(channels, 1, kernel)]
+        return Faulty(rule, kernel_major)
+    if fault == "a_log_not_renamed" and isinstance(rule, Rename) and rule.source == "self_attention.a_log":
+        return Faulty(rule, lambda tensors: [tensors[0]], names=(rule.source,))
+    if fault == "gate_up_swapped" and (isinstance(rule, Deinterleave) or
+                                      (isinstance(rule, TransposeExperts) and rule.source.endswith("weight1"))):
+        return Faulty(rule, lambda tensors, r=rule: [_swap_halves(t) for t in r.forward(tensors)])
+    return None
+
+
+def inject_fault(plan: list[PlacedRule], fault: str, model: ModelConfig, core_version: str) -> list[PlacedRule]:
+    """The plan with ``fault`` applied; a fault that touches no rule of this model is an error."""
+    if fault not in FAULTS:
+        raise CheckpointError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    if fault == "wrong_mtp_prefix":
+        right = f".{mtp_layer_prefix(core_version)}."
+        wrong = ".mtp_model_layer." if right == ".transformer_layer." else ".transformer_layer."
+        faulty = [PlacedRule(p.rule, p.ms_prefix, p.mg_prefix.replace(right, wrong)) for p in plan]
+    else:
+        faulty = []
+        for placed in plan:
+            broken = _break(placed.rule, fault, model)
+            faulty.append(placed if broken is None else PlacedRule(broken, placed.ms_prefix, placed.mg_prefix))
+    if faulty == plan:
+        raise CheckpointError(f"fault {fault!r} does not apply to model {model.name} "
+                              f"({model.kind}, {model.mtp_num_layers} MTP layers): it breaks no rule of it")
+    return faulty

@@ -1,0 +1,137 @@
+"""Safetensors files one tensor at a time: read through ``safe_open``, write by streaming.
+
+The bf16 cast must hold one tensor in memory at a time, and a conversion must not pull a
+whole file into memory just to read its header. ``safe_open`` memory-maps the file and its
+pages stay resident while the handle is open, so every tensor is read through a handle of
+its own. Writing streams the format directly: an 8-byte little-endian header length, a JSON
+header (dtype, shape, data_offsets per tensor, ``__metadata__``), then the raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+
+from crossalign.checkpoint.errors import CheckpointError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOATING = frozenset(name for name, dtype in DTYPES.items() if dtype.is_floating_point)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a safetensors header says about one tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * DTYPES[self.dtype].itemsize
+
+
+def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None]:
+    """The tensors of a safetensors file (in storage order) and its ``__metadata__``; nothing is loaded."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata()
+            infos = [TensorInfo(name, handle.get_slice(name).get_dtype(), tuple(handle.get_slice(name).get_shape()))
+                     for name in handle.offset_keys()]
+    except Exception as exc:  # safetensors raises its own error type, or OSError
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    for info in infos:
+        if info.dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {info.name!r} has dtype {info.dtype}, which torch cannot hold")
+    return infos, metadata
+
+
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor, read through a handle of its own so that no other page of the file stays resident."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_tensor(name)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from None
+
+
+def _header_bytes(infos: Iterable[TensorInfo], metadata: Mapping[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for info in infos:
+        header[info.name] = {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
+
+
+class SafetensorsWriter:
+    """Writes a safetensors file tensor by tensor, in the order announced up front.
+
+    The header (which needs every shape) is written first, so the caller announces all
+    tensors, then hands them over one at a time; each is checked against its announcement.
+    """
+
+    def __init__(self, path: Path, infos: list[TensorInfo], metadata: Mapping[str, str] | None):
+        self.path = path
+        self._pending = list(infos)
+        self._file: BinaryIO = open(path, "wb")
+        header = _header_bytes(infos, metadata)
+        self._file.write(struct.pack("<Q", len(header)))
+        self._file.write(header)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if not self._pending:
+            raise CheckpointError(f"{self.path}: tensor {name!r} was not announced")
+        expected = self._pending.pop(0)
+        actual = (name, DTYPE_NAMES.get(tensor.dtype), tuple(tensor.shape))
+        if actual != (expected.name, expected.dtype, expected.shape):
+            raise CheckpointError(f"{self.path}: expected {expected.name!r} {expected.dtype} {list(expected.shape)}, "
+                                  f"got {name!r} {actual[1]} {list(actual[2])}")
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+
+    def close(self) -> None:
+        self._file.close()
+        if self._pending:
+            raise CheckpointError(f"{self.path}: {len(self._pending)} announced tensors were never written, "
+                                  f"first {self._pending[0].name!r}")
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self._file.close()
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> int:
+    """Write tensors (already in memory) to one file; returns the bytes of tensor data written."""
+    infos = []
+    for name, tensor in tensors.items():
+        if tensor.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        infos.append(TensorInfo(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape)))
+    with SafetensorsWriter(path, infos, metadata) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+    return sum(info.nbytes for info in infos)
