@@ -1,0 +1,353 @@
+"""The real GPU side: Megatron-LM (TransformerEngine) trained from a converted checkpoint.
+
+Everything Megatron is told comes from the model config through :func:`megatron_args` (SPEC
+section 8), so it cannot drift from the MindFormers YAML built from the same file; ``crossalign
+preflight config`` reads both back and compares them.
+
+How MTP meets GatedDeltaNet depends on the megatron-core version of the checkout (the data is
+in ``patches/megatron/mtp_gdn.yaml``):
+
+- before 0.16.0 there is no GatedDeltaNet: refused;
+- 0.16.0 .. 0.18.x: ``pretrain_gpt.py`` would build the MTP layer from the standard layer specs,
+  so crossalign runs ``patches/megatron/pretrain_qwen35.py`` instead, which calls Megatron's own
+  ``pretrain()`` with the MTP layer taken from the hybrid block (no file edited). People who run
+  ``pretrain_gpt.py`` by hand apply the ``megatron-mtp-gdn`` patch instead;
+- 0.19.0 and later: upstream builds it that way; plain ``pretrain_gpt.py``.
+
+The run's exit status is never trusted alone: Megatron exits 0 after a checkpoint it could not
+unpickle and carries on with random weights after a non-strict load, so the log is read after
+the run (:func:`verify_megatron_log`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Sequence
+
+from crossalign.backends.base import TrainRequest, TrainResult
+from crossalign.backends.launch import (
+    BackendRunError,
+    BackendSetupError,
+    LineCallback,
+    Runner,
+    RunScript,
+    failure_summary,
+    missing_steps,
+    run_script_locally,
+    write_run_script,
+)
+from crossalign.config import AlignmentConfig
+from crossalign.patching import PATCH_DIR, load_patch, megatron_core_version, parse_version
+
+LAUNCHER = PATCH_DIR / "megatron" / "pretrain_qwen35.py"
+RUN_SCRIPT = "run_megatron.sh"
+ARGS_FILE = "megatron_args.txt"
+GDN_FIRST_VERSION = (0, 16, 0)
+
+# Deterministic kernels and collectives (Megatron's --deterministic-mode asserts NCCL_ALGO).
+DETERMINISTIC_ENV = {
+    "NCCL_ALGO": "Ring",
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+}
+
+
+def _num(value: float) -> str:
+    """A float as Megatron's argparse reads it back exactly."""
+    return repr(float(value))
+
+
+def tokenizer_size(tokenizer: Path) -> int:
+    """Entries of a HuggingFace tokenizer.json (a file, or a folder holding one): vocab plus added tokens."""
+    path = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
+    if not path.exists():
+        raise BackendSetupError(f"{path}: tokenizer not found")
+    raw = json.loads(path.read_text())
+    vocab = raw.get("model", {}).get("vocab", {})
+    ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab)))
+    ids.update(token["id"] for token in raw.get("added_tokens", []))
+    return max(ids) + 1 if ids else 0
+
+
+def megatron_args(
+    config: AlignmentConfig,
+    *,
+    data_prefix: Path | str,
+    tokenizer: Path | str | None,
+    load_dir: Path | str | None,
+    save_dir: Path | str | None = None,
+    nproc: int = 1,
+    train_iters: int | None = None,
+) -> list[str]:
+    """The ``pretrain_gpt.py`` arguments for this config (SPEC section 8), dense or MoE.
+
+    The dataset is already tokenised, so Megatron gets a NullTokenizer sized to the padded vocab
+    (its pad id is -1, like the MindFormers loader's ``pad: -1``: no token is masked on either
+    side); ``tokenizer`` is checked to fit in that vocab. ``nproc`` GPUs run data parallel.
+    """
+    m, t = config.model, config.training
+    iters = train_iters or t.train_iters
+    if t.global_batch_size % (t.micro_batch_size * nproc):
+        raise BackendSetupError(f"training.global_batch_size {t.global_batch_size} is not a multiple of "
+                                f"micro_batch_size {t.micro_batch_size} x {nproc} GPUs")
+    if tokenizer is not None and tokenizer_size(Path(tokenizer)) > m.padded_vocab_size:
+        raise BackendSetupError(f"{tokenizer}: {tokenizer_size(Path(tokenizer))} tokens do not fit "
+                                f"model.padded_vocab_size {m.padded_vocab_size}")
+    args = [
+        "--transformer-impl", "transformer_engine",
+        "--num-layers", str(m.num_layers),
+        "--hidden-size", str(m.hidden_size),
+        "--ffn-hidden-size", str(m.ffn_hidden_size),
+        "--num-attention-heads", str(m.num_attention_heads),
+        "--group-query-attention",
+        "--num-query-groups", str(m.num_query_groups),
+        "--kv-channels", str(m.kv_channels),
+        "--seq-length", str(t.seq_length),
+        "--max-position-embeddings", str(m.max_position_embeddings),
+        "--normalization", "RMSNorm",
+        "--norm-epsilon", _num(m.norm_epsilon),
+        "--swiglu",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        "--position-embedding-type", "rope",
+        "--rotary-base", str(int(m.rotary_base)) if float(m.rotary_base).is_integer() else _num(m.rotary_base),
+        "--rotary-percent", _num(m.rotary_percent),
+        "--qk-layernorm",
+        "--attention-output-gate",
+        "--experimental-attention-variant", "gated_delta_net",
+        "--linear-attention-freq", str(m.linear_attention_freq),
+        "--linear-conv-kernel-dim", str(m.linear_conv_kernel_dim),
+        "--linear-key-head-dim", str(m.linear_key_head_dim),
+        "--linear-value-head-dim", str(m.linear_value_head_dim),
+        "--linear-num-key-heads", str(m.linear_num_key_heads),
+        "--linear-num-value-heads", str(m.linear_num_value_heads),
+        "--init-method-std", _num(m.init_method_std),
+        "--attention-dropout", _num(t.attention_dropout),
+        "--hidden-dropout", _num(t.hidden_dropout),
+    ]
+    if m.mtp_num_layers:
+        args += ["--mtp-num-layers", str(m.mtp_num_layers),
+                 "--mtp-loss-scaling-factor", _num(m.mtp_loss_scaling_factor)]
+    if m.is_moe:
+        args += [
+            "--num-experts", str(m.num_experts),
+            "--moe-layer-freq", "1",
+            "--moe-router-topk", str(m.moe_router_topk),
+            "--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size),
+            "--moe-shared-expert-intermediate-size", str(m.moe_shared_expert_intermediate_size),
+            "--moe-grouped-gemm",
+            "--moe-token-dispatcher-type", "alltoall",
+            "--moe-router-score-function", m.moe_router_score_function,
+            "--moe-router-topk-scaling-factor", _num(m.moe_router_topk_scaling_factor),
+            "--moe-router-dtype", m.moe_router_dtype,
+            "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", _num(m.moe_aux_loss_coeff),
+        ]
+        if m.moe_shared_expert_gate:
+            args.append("--moe-shared-expert-gate")
+        if not m.norm_topk_prob:
+            # Megatron renormalises the top-k probabilities unless the softmax runs over all experts first.
+            args.append("--moe-router-pre-softmax")
+    args += [
+        "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(m.padded_vocab_size - 1),  # NullTokenizer adds one (its eod)
+        "--make-vocab-size-divisible-by", "1",
+        "--data-path", str(data_prefix),
+        "--split", t.split,
+        "--seed", str(t.seed),
+        "--dataloader-type", t.dataloader_type,
+        "--micro-batch-size", str(t.micro_batch_size),
+        "--global-batch-size", str(t.global_batch_size),
+        "--train-iters", str(iters),
+        "--eval-iters", "0",
+        "--eval-interval", str(iters),
+        "--optimizer", "adam",
+        "--lr", _num(t.lr),
+        "--min-lr", _num(t.min_lr),
+        "--lr-decay-style", t.lr_decay_style,
+        "--lr-warmup-iters", str(t.lr_warmup_iters),
+        "--lr-warmup-init", _num(t.lr_warmup_init),
+        "--weight-decay", _num(t.weight_decay),
+        "--adam-beta1", _num(t.adam_beta1),
+        "--adam-beta2", _num(t.adam_beta2),
+        "--adam-eps", _num(t.adam_eps),
+        "--clip-grad", _num(t.clip_grad),
+        "--tensor-model-parallel-size", "1",
+        "--pipeline-model-parallel-size", "1",
+        "--no-gradient-accumulation-fusion",
+        "--log-interval", "1",
+        "--ckpt-format", "torch",
+    ]
+    if t.bf16:
+        args.append("--bf16")
+    if t.deterministic:
+        args.append("--deterministic-mode")
+    if load_dir is not None:
+        args += ["--load", str(load_dir), "--finetune", "--no-load-optim", "--no-load-rng",
+                 "--exit-on-missing-checkpoint"]
+    if save_dir is not None:
+        args += ["--save", str(save_dir), "--save-interval", str(iters), "--no-save-optim", "--no-save-rng"]
+    return args
+
+
+# ---- the log ---------------------------------------------------------------------------------
+
+ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
+_FIELD = re.compile(r"\|\s*([A-Za-z_0-9 ()/]+?):\s*([-+0-9.eEnaNinf]+)\s*(?=\|)")
+_INCOMPATIBLE = re.compile(r"load_return:\s*_IncompatibleKeys\(missing_keys=\[(.*?)\],\s*unexpected_keys=\[(.*?)\]\)")
+_KEY = re.compile(r"'([^']+)'")
+METRIC_NAMES = {"lm loss": "lm_loss", "learning rate": "lr", "grad norm": "grad_norm",
+                "load_balancing_loss": "aux_loss", "elapsed time per iteration (ms)": "step_time_ms"}
+
+
+def parse_iteration_line(line: str) -> tuple[int, int, dict[str, float]] | None:
+    """(iteration, total, metrics) of a Megatron ``training_log`` line, for progress; None for other lines."""
+    match = ITERATION_LINE.search(line)
+    if not match:
+        return None
+    metrics: dict[str, float] = {}
+    for name, value in _FIELD.findall(line + "|"):
+        name = name.strip()
+        key = METRIC_NAMES.get(name) or (name.replace(" loss", "_loss") if name.startswith("mtp_") else None)
+        if key:
+            try:
+                metrics[key] = float(value)
+            except ValueError:
+                continue
+    return int(match.group(1)), int(match.group(2)), metrics
+
+
+def verify_megatron_log(log_path: Path, *, iterations: int, loaded: bool, exit_status: int) -> None:
+    """Raise BackendRunError unless the log shows a clean load (when asked) and every iteration 1..N."""
+    if not log_path.exists():
+        raise BackendRunError(f"{log_path}: Megatron wrote no log (exit status {exit_status})")
+    seen: set[int] = set()
+    load_ok = False
+    with open(log_path, encoding="utf-8", errors="replace") as log:
+        for number, line in enumerate(log, start=1):
+            where = f"{log_path}:{number}: {line.strip()[:300]}"
+            if "could not load the checkpoint" in line:
+                raise BackendRunError(f"Megatron could not unpickle the checkpoint (it exits 0 anyway): {where}. "
+                                      "Write the checkpoint with plain tensors, or apply the megatron-weights-only patch.")
+            if "could not find the metadata file" in line and loaded:
+                raise BackendRunError(f"Megatron found no checkpoint to load and would start from random weights: {where}")
+            incompatible = _INCOMPATIBLE.search(line)
+            if incompatible:
+                missing, unexpected = (_KEY.findall(part) for part in incompatible.groups())
+                real = [k for k in missing + unexpected if not k.endswith("._extra_state")]
+                if real:
+                    raise BackendRunError(
+                        f"Megatron loaded the checkpoint non-strictly; {len(real)} weights stay random "
+                        f"(e.g. {', '.join(real[:5])}): {where}")
+            if "successfully loaded checkpoint" in line:
+                load_ok = True
+            parsed = parse_iteration_line(line)
+            if parsed:
+                seen.add(parsed[0])
+    if exit_status != 0:
+        raise BackendRunError(f"Megatron exited with status {exit_status}; end of {log_path}:\n"
+                              f"{failure_summary(log_path)}")
+    if loaded and not load_ok:
+        raise BackendRunError(f"{log_path}: no 'successfully loaded checkpoint' line: the checkpoint was not loaded")
+    absent = missing_steps(seen, iterations)
+    if absent:
+        last = max(seen) if seen else 0
+        raise BackendRunError(f"{log_path}: iterations {absent[0]}..{absent[-1]} of {iterations} were never logged "
+                              f"(last logged: {last}); end of the log:\n{failure_summary(log_path)}")
+
+
+# ---- launching -------------------------------------------------------------------------------
+
+
+def entry_point(checkout: Path, version: tuple[int, ...]) -> Path:
+    """pretrain_gpt.py, or our launcher where this megatron-core builds MTP from the wrong specs."""
+    if version < GDN_FIRST_VERSION:
+        raise BackendSetupError(f"{checkout}: megatron-core {'.'.join(map(str, version))} has no GatedDeltaNet "
+                                f"(it arrives in {'.'.join(map(str, GDN_FIRST_VERSION))})")
+    if load_patch("megatron-mtp-gdn").needed_for(version):
+        return LAUNCHER
+    return checkout / "pretrain_gpt.py"
+
+
+class MegatronBackend:
+    """DAG step 4 on a GPU machine: ``torchrun`` Megatron-LM from the converted checkpoint."""
+
+    name = "megatron"
+
+    def __init__(self, site=None, runner: Runner = run_script_locally):
+        self._site = site
+        self._runner = runner
+
+    @property
+    def site(self):
+        if self._site is None:
+            from crossalign.site import load_site
+
+            self._site = load_site()
+        return self._site
+
+    def checkout(self, config: AlignmentConfig) -> tuple[Path, tuple[int, ...]]:
+        """The Megatron-LM checkout of the site config and its megatron-core version, checked against the config."""
+        path = self.site.megatron.path
+        if path is None:
+            raise BackendSetupError("site config: megatron.path (the Megatron-LM checkout) is not set")
+        path = Path(path).expanduser()
+        if not (path / "pretrain_gpt.py").exists():
+            raise BackendSetupError(f"megatron.path {path}: no pretrain_gpt.py there (not a Megatron-LM checkout)")
+        version = megatron_core_version(path)
+        if version is None:
+            raise BackendSetupError(f"{path}: megatron/core/package_info.py gives no version")
+        wanted = parse_version(config.training.megatron_core_version)
+        if version[:2] != wanted[:2]:
+            raise BackendSetupError(
+                f"{path} is megatron-core {'.'.join(map(str, version))} but training.megatron_core_version is "
+                f"{config.training.megatron_core_version}: the checkpoint's MTP key prefix and the log semantics "
+                "follow the config; make them agree")
+        return path, version
+
+    def run_script(self, request: TrainRequest, args: Sequence[str]) -> RunScript:
+        checkout, version = self.checkout(request.config)
+        site = self.site.megatron
+        env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "MEGATRON_LM_PATH": str(checkout), **site.env}
+        command = [site.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                   "--nproc_per_node", str(site.nproc_per_node), str(entry_point(checkout, version)), *args]
+        return RunScript(command=command, cwd=checkout, env=env,
+                         title=f"Megatron-LM {'.'.join(map(str, version))}: {request.config.model.name}, "
+                               f"{request.iterations} iterations")
+
+    def train(self, request: TrainRequest) -> TrainResult:
+        if request.side != "megatron" or request.mode != "align":
+            raise BackendSetupError(f"the megatron backend trains side 'megatron' in mode 'align', "
+                                    f"not side {request.side!r} mode {request.mode!r}")
+        if request.init_checkpoint is None:
+            raise BackendSetupError("the megatron backend needs request.init_checkpoint (the converted checkpoint)")
+        iterations = request.iterations
+        args = megatron_args(
+            request.config, data_prefix=request.data.prefix, tokenizer=request.data.tokenizer,
+            load_dir=request.init_checkpoint, save_dir=request.checkpoint_dir if request.save else None,
+            nproc=self.site.megatron.nproc_per_node, train_iters=iterations)
+        request.output_dir.mkdir(parents=True, exist_ok=True)
+        (request.output_dir / ARGS_FILE).write_text("\n".join(args) + "\n")
+        script = write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, args))
+
+        on_line = _progress(request.on_step, iterations)
+        start = time.monotonic()
+        status = self._runner(script, request.log_path, on_line)
+        verify_megatron_log(request.log_path, iterations=iterations, loaded=True, exit_status=status)
+        return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
+                           iterations=iterations, seconds=time.monotonic() - start)
+
+
+def _progress(on_step, iterations: int) -> LineCallback:
+    def on_line(line: str) -> None:
+        parsed = parse_iteration_line(line)
+        if parsed and on_step is not None:
+            step, _, metrics = parsed
+            on_step(step, iterations, metrics)
+
+    return on_line
+
