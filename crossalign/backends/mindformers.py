@@ -1,0 +1,370 @@
+"""The real NPU side: MindFormers in pynative mode (``run_mindformer.py --mode 1``).
+
+:func:`mindformers_yaml` turns the model config into the pynative ``TrainConfig`` YAML (SPEC
+section 8; schema in reference/mindformers.md 2b) for the base run (DAG step 1: random init,
+save) and the alignment run (step 5: load the bf16 checkpoint). Settings that change numbers
+are written explicitly even where they equal a MindFormers default, so that ``crossalign
+preflight config`` can read them back and the YAML documents the run by itself.
+
+The ``model`` section uses the names MindFormers' transformer-config mapping accepts (HF style
+plus the pass-through Megatron names). Public MindFormers has no Qwen3.5 model: a site's
+MindFormers fork decides ``model_type``/``architectures`` and may need more keys; put them
+under ``request.extra["mindformers_model"]``, merged over the generated section.
+
+The log: LossCallback lines go to stdout (captured line by line into ``train.log``) and to
+``<LOG_MF_PATH>/rank_<r>/info.log``; the run script points LOG_MF_PATH into the step folder.
+With several cards msrun tails the last worker's log to stdout.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from crossalign.backends.base import TrainRequest, TrainResult
+from crossalign.backends.launch import (
+    BackendRunError,
+    BackendSetupError,
+    LineCallback,
+    Runner,
+    RunScript,
+    failure_summary,
+    missing_steps,
+    run_script_locally,
+    write_run_script,
+)
+from crossalign.config import AlignmentConfig
+
+RUN_SCRIPT = "run_mindformers.sh"
+CHECKPOINT_PREFIX = "qwen35"
+DETERMINISTIC_ENV = {"HCCL_DETERMINISTIC": "true", "ASCEND_LAUNCH_BLOCKING": "1"}
+MSRUN_PORT = 8118
+
+
+def _model_section(config: AlignmentConfig) -> dict:
+    m, t = config.model, config.training
+    model = {
+        "model_type": "qwen3_5_moe" if m.is_moe else "qwen3_5",
+        "architectures": "Qwen3_5MoeForCausalLM" if m.is_moe else "Qwen3_5ForCausalLM",
+        "vocab_size": m.padded_vocab_size,
+        "seq_length": t.seq_length,
+        "max_position_embeddings": m.max_position_embeddings,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups,
+        "head_dim": m.kv_channels,
+        "intermediate_size": m.ffn_hidden_size,
+        "hidden_act": "swiglu",
+        "rms_norm_eps": m.norm_epsilon,
+        "position_embedding_type": "rope",
+        "rope_theta": m.rotary_base,
+        "partial_rotary_factor": m.rotary_percent,
+        "qk_layernorm": True,
+        "attention_output_gate": True,
+        "add_bias_linear": False,
+        "tie_word_embeddings": False,
+        "attention_dropout": t.attention_dropout,
+        "hidden_dropout": t.hidden_dropout,
+        "initializer_range": m.init_method_std,
+        "params_dtype": "float32",
+        "compute_dtype": "bfloat16" if t.bf16 else "float32",
+        "layernorm_compute_dtype": "float32",
+        "softmax_compute_dtype": "float32",
+        "rotary_dtype": "float32",
+        "use_interleaved_weight_layout_mlp": True,
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": m.linear_attention_freq,
+        "linear_conv_kernel_dim": m.linear_conv_kernel_dim,
+        "linear_key_head_dim": m.linear_key_head_dim,
+        "linear_value_head_dim": m.linear_value_head_dim,
+        "linear_num_key_heads": m.linear_num_key_heads,
+        "linear_num_value_heads": m.linear_num_value_heads,
+        "mtp_num_layers": m.mtp_num_layers,
+        "mtp_loss_scaling_factor": m.mtp_loss_scaling_factor,
+    }
+    if m.is_moe:
+        model.update({
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.moe_router_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size,
+            "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+            "use_shared_expert_gating": m.moe_shared_expert_gate,
+            "norm_topk_prob": m.norm_topk_prob,
+            "scoring_func": m.moe_router_score_function,
+            "routed_scaling_factor": m.moe_router_topk_scaling_factor,
+            "router_dense_type": "float32",
+            "moe_router_load_balancing_type": "aux_loss",
+            "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
+            "moe_grouped_gemm": True,
+            "gated_linear_unit": True,
+        })
+    return model
+
+
+def mindformers_yaml(
+    config: AlignmentConfig,
+    *,
+    mode: Literal["base", "align"],
+    data_prefix: Path | str,
+    tokenizer: Path | str | None = None,
+    load_dir: Path | str | None = None,
+    save_dir: Path | str | None = None,
+    nproc: int = 1,
+    model_overrides: dict | None = None,
+) -> dict:
+    """The pynative TrainConfig for a base run (``mode="base"``) or the alignment run (``"align"``).
+
+    ``tokenizer`` is not written (the indexed dataset is already tokenised; the loader pads with
+    -1, which no token uses); it is accepted for symmetry with :func:`megatron_args`.
+    """
+    m, t = config.model, config.training
+    if mode not in ("base", "align"):
+        raise ValueError(f"mode must be 'base' or 'align', not {mode!r}")
+    if mode == "align" and load_dir is None:
+        raise BackendSetupError("the align run needs load_dir (the bf16 MindFormers checkpoint)")
+    if t.global_batch_size % (t.micro_batch_size * nproc):
+        raise BackendSetupError(f"training.global_batch_size {t.global_batch_size} is not a multiple of "
+                                f"micro_batch_size {t.micro_batch_size} x {nproc} cards")
+    steps = t.base_train_iters if mode == "base" else t.train_iters
+    model = _model_section(config)
+    model.update(model_overrides or {})
+    return {
+        "run_mode": "train",
+        "seed": t.seed,
+        "checkpoint": {
+            "enable_save": save_dir is not None,
+            "save_path": str(save_dir) if save_dir is not None else "",
+            "save_max": 1,
+            "save_interleaved_steps": steps,
+            "no_save_optim": False,
+            "async_save": False,
+            "prefix": CHECKPOINT_PREFIX,
+            "remove_redundancy": False,
+            "load_path": str(load_dir) if load_dir is not None else "",
+            "load_balanced": False,
+            "no_load_optim": True,
+            "load_worker_number": 1,
+        },
+        "training": {
+            "steps": steps,
+            "local_batch_size": t.micro_batch_size,
+            "global_batch_size": t.global_batch_size,
+            "max_norm": t.clip_grad,
+            "seed": t.seed,
+            "deterministic": t.deterministic,
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "betas": [t.adam_beta1, t.adam_beta2],
+            "eps": t.adam_eps,
+            "weight_decay": t.weight_decay,
+        },
+        "lr_scheduler": {
+            "type": "ConstantWarmUpLR",
+            "learning_rate": t.lr,
+            "warmup_steps": t.lr_warmup_iters,
+            "warmup_lr_init": t.lr_warmup_init,
+        },
+        "parallelism": {
+            "data_parallel_shard": -1,
+            "tensor_parallel": 1,
+            "pipeline_parallel": 1,
+            "expert_parallel": 1,
+            "context_parallel": 1,
+            "sequence_parallel": False,
+        },
+        # With MTP, MindFormers wants the string "None" here; lower-case "none" is another value.
+        "recompute": {"mode": "None"},
+        "train_dataset": {
+            "dataloader": {
+                "type": "BlendedMegatronDatasetDataLoader",
+                "datasets_type": "GPTDataset",
+                "sizes": [steps * t.global_batch_size, 0, 0],
+                "config": {
+                    "seed": t.seed,
+                    "split": t.split,
+                    "seq_length": t.seq_length,
+                    "data_path": [str(data_prefix)],
+                    "eod_mask_loss": False,
+                    "reset_position_ids": False,
+                    "create_attention_mask": False,
+                    "reset_attention_mask": False,
+                    "create_compressed_eod_mask": False,
+                    "pad": -1,
+                },
+                "column_names": ["input_ids", "labels", "loss_mask", "position_ids"],
+                "shuffle": False,
+            },
+            "drop_remainder": True,
+            "num_parallel_workers": 1,
+        },
+        "model": model,
+        "context": {"mode": 1, "device_target": "Ascend"},
+    }
+
+
+def dump_yaml(data: dict, path: Path) -> Path:
+    """Write the YAML atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+# ---- the log ---------------------------------------------------------------------------------
+
+STEP_LINE = re.compile(r"\{\s*step:\[\s*(\d+)/\s*(\d+)\]")
+_VALUE = re.compile(r"(\w+):\s*([-+0-9.eE]+|NaN)")
+_LISTED_NAME = re.compile(r"\s- (\S+)\s*$")
+METRIC_NAMES = {"loss": "lm_loss", "lr": "lr", "grad_norm": "grad_norm", "load_balancing_loss": "aux_loss",
+                "per_step_time": "step_time_ms"}
+
+
+def parse_step_line(line: str) -> tuple[int, int, dict[str, float]] | None:
+    """(step, total, metrics) of a pynative LossCallback line, for progress; None for other lines."""
+    match = STEP_LINE.search(line)
+    if not match:
+        return None
+    metrics: dict[str, float] = {}
+    for name, value in _VALUE.findall(line[match.end():]):
+        key = METRIC_NAMES.get(name) or (name if re.fullmatch(r"mtp_\d+_loss", name) else None)
+        if key:
+            metrics[key] = float(value)
+    return int(match.group(1)), int(match.group(2)), metrics
+
+
+def verify_mindformers_log(log_path: Path, *, steps: int, loaded: bool, exit_status: int, mtp: bool) -> None:
+    """Raise BackendRunError unless the log shows a complete load (when asked) and steps 1..N (with MTP losses)."""
+    if not log_path.exists():
+        raise BackendRunError(f"{log_path}: MindFormers wrote no log (exit status {exit_status})")
+    seen: set[int] = set()
+    load_finished = False
+    without_mtp: tuple[int, str] | None = None
+    lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, start=1):
+        where = f"{log_path}:{number}: {line.strip()[:300]}"
+        if "Network parameters not loaded:" in line or "Checkpoint weights not loaded:" in line:
+            names = [hit.group(1) for ln in lines[number: number + 5] if (hit := _LISTED_NAME.search(ln))]
+            raise BackendRunError(f"MindFormers loaded the checkpoint incompletely: {where}"
+                                  + (f" (first names: {', '.join(names)})" if names else ""))
+        if "Loading Checkpoint Finished" in line:
+            load_finished = True
+        parsed = parse_step_line(line)
+        if parsed:
+            seen.add(parsed[0])
+            if mtp and without_mtp is None and not any(k.startswith("mtp_") for k in parsed[2]):
+                without_mtp = (number, line.strip()[:300])
+    if exit_status != 0:
+        raise BackendRunError(f"MindFormers exited with status {exit_status}; end of {log_path}:\n"
+                              f"{failure_summary(log_path)}")
+    if loaded and not load_finished:
+        raise BackendRunError(f"{log_path}: no 'Loading Checkpoint Finished' line: the checkpoint was not loaded")
+    absent = missing_steps(seen, steps)
+    if absent:
+        raise BackendRunError(f"{log_path}: steps {absent[0]}..{absent[-1]} of {steps} were never logged "
+                              f"(last logged: {max(seen) if seen else 0}); end of the log:\n{failure_summary(log_path)}")
+    if without_mtp is not None:
+        raise BackendRunError(f"{log_path}:{without_mtp[0]}: the model has MTP but the step line has no mtp_1_loss "
+                              f"(apply the mindformers-qwen35-get-mtp-loss patch): {without_mtp[1]}")
+
+
+def find_checkpoint(save_dir: Path) -> Path:
+    """The saved checkpoint root (holding latest_checkpointed_iteration.txt)."""
+    tracker = save_dir / "latest_checkpointed_iteration.txt"
+    if not tracker.exists():
+        found = sorted(save_dir.rglob("latest_checkpointed_iteration.txt"))
+        if not found:
+            raise BackendRunError(f"{save_dir}: MindFormers saved no checkpoint (no latest_checkpointed_iteration.txt)")
+        return found[0].parent
+    return save_dir
+
+
+# ---- launching -------------------------------------------------------------------------------
+
+
+class MindFormersBackend:
+    """DAG steps 1 and 5 on an NPU machine: ``run_mindformer.py --mode 1`` (msrun for several cards)."""
+
+    name = "mindformers"
+
+    def __init__(self, site=None, runner: Runner = run_script_locally):
+        self._site = site
+        self._runner = runner
+
+    @property
+    def site(self):
+        if self._site is None:
+            from crossalign.site import load_site
+
+            self._site = load_site()
+        return self._site
+
+    def checkout(self) -> Path:
+        path = self.site.mindformers.path
+        if path is None:
+            raise BackendSetupError("site config: mindformers.path (the MindFormers checkout) is not set")
+        path = Path(path).expanduser()
+        if not (path / "run_mindformer.py").exists():
+            raise BackendSetupError(f"mindformers.path {path}: no run_mindformer.py there (not a MindFormers checkout)")
+        return path
+
+    def run_script(self, request: TrainRequest, config_path: Path) -> RunScript:
+        checkout = self.checkout()
+        site = self.site.mindformers
+        nproc = site.nproc_per_node
+        log_root = request.output_dir / "mf_log"
+        env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "LOG_MF_PATH": str(log_root), **site.env}
+        entry = [str(checkout / "run_mindformer.py"), "--mode", "1", "--config", str(config_path)]
+        if nproc == 1:
+            command = [site.python, *entry]
+        else:
+            command = [site.python, "-m", "mindspore.parallel.cluster.run", f"--worker_num={nproc}",
+                       f"--local_worker_num={nproc}", f"--master_port={MSRUN_PORT}",
+                       f"--log_dir={request.output_dir / 'msrun_log'}", "--join=True",
+                       f"--tail_worker_log={nproc - 1}", *entry]
+        return RunScript(command=command, cwd=request.output_dir, env=env,
+                         title=f"MindFormers pynative: {request.config.model.name}, {request.mode} run, "
+                               f"{request.iterations} steps on {nproc} card(s)")
+
+    def train(self, request: TrainRequest) -> TrainResult:
+        if request.side != "mindformers":
+            raise BackendSetupError(f"the mindformers backend trains side 'mindformers', not {request.side!r}")
+        loaded = request.mode == "align"
+        if loaded and request.init_checkpoint is None:
+            raise BackendSetupError("the align run needs request.init_checkpoint (the bf16 MindFormers checkpoint)")
+        save = request.save or request.mode == "base"
+        data = mindformers_yaml(
+            request.config, mode=request.mode, data_prefix=request.data.prefix, tokenizer=request.data.tokenizer,
+            load_dir=request.init_checkpoint if loaded else None,
+            save_dir=request.checkpoint_dir if save else None,
+            nproc=self.site.mindformers.nproc_per_node,
+            model_overrides=request.extra.get("mindformers_model"))  # type: ignore[arg-type]
+        request.output_dir.mkdir(parents=True, exist_ok=True)
+        config_path = dump_yaml(data, request.output_dir / f"{request.mode}_train.yaml")
+        script = write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, config_path))
+
+        steps = request.iterations
+        on_line = _progress(request.on_step, steps)
+        start = time.monotonic()
+        status = self._runner(script, request.log_path, on_line)
+        verify_mindformers_log(request.log_path, steps=steps, loaded=loaded, exit_status=status,
+                               mtp=request.config.model.mtp_num_layers > 0)
+        checkpoint = find_checkpoint(request.checkpoint_dir) if save else None
+        return TrainResult(log_path=request.log_path, checkpoint_dir=checkpoint, iterations=steps,
+                           seconds=time.monotonic() - start)
+
+
+def _progress(on_step, steps: int) -> LineCallback:
+    def on_line(line: str) -> None:
+        parsed = parse_step_line(line)
+        if parsed and on_step is not None:
+            step, _, metrics = parsed
+            on_step(step, steps, metrics)
+
+    return on_line
