@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-import warnings
+import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import lru_cache
@@ -29,10 +29,13 @@ from typing import Iterator, Literal
 import numpy as np
 
 from crossalign.config import TrainingConfig
+from crossalign.data.mcore import quiet_megatron_import
 from crossalign.data.prepare import CACHE_DIR_NAME, MANIFEST_NAME
 from crossalign.data.settings import SampleOrderError, SampleOrderSettings
 
 SideName = Literal["mindformers", "megatron"]
+
+_BUILD_LOCK = threading.Lock()  # one build at a time per process: they share the process group
 
 
 class GlobalBatches(Sequence):
@@ -136,12 +139,12 @@ def build_dataset(settings: SampleOrderSettings, prefix: Path):
 
 @lru_cache(maxsize=16)
 def _build_dataset_cached(settings: SampleOrderSettings, prefix: str, idx_size: int, idx_mtime_ns: int):
-    with _quiet_megatron():
+    with quiet_megatron_import():
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     cache_dir = Path(prefix).parent / CACHE_DIR_NAME
-    with _staged_cache(cache_dir) as staging, _single_process_group():
+    with _BUILD_LOCK, _staged_cache(cache_dir) as staging, _single_process_group():
         config = GPTDatasetConfig(
             random_seed=settings.seed,
             sequence_length=settings.seq_length,
@@ -217,12 +220,3 @@ def _single_process_group() -> Iterator[None]:
             yield
         finally:
             dist.destroy_process_group()
-
-
-@contextmanager
-def _quiet_megatron() -> Iterator[None]:
-    """megatron-core warns at import that TransformerEngine and Apex are missing: irrelevant to datasets."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
-        warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-        yield

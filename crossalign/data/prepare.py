@@ -84,9 +84,12 @@ def _build(staging: Path, vocab_size: int, report: PrepareProgress) -> dict:
     """Write tokenizer, .bin/.idx and manifest into ``staging``; return the manifest."""
     import numpy
     import tokenizers
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+    from crossalign.data.mcore import quiet_megatron_import
     from crossalign.data.tokenizer import EOD_TOKEN, eod_id, train_tokenizer
+
+    with quiet_megatron_import():
+        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     documents = corpus_documents()
     report("tokenizer", 0, 1)
