@@ -1,0 +1,43 @@
+"""Parsers of real Megatron-LM and MindFormers training logs -> one pandas DataFrame per log.
+
+``parse_log`` finds out which framework wrote a file; ``parse_megatron_log`` and
+``parse_mindformers_log`` read one format. The frame and its ``attrs`` are described in
+``crossalign.logs.common``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from crossalign.logs.common import LogFormatError, read_log_text
+from crossalign.logs.megatron import ITERATION_RE, parse_megatron_log, parse_megatron_text
+from crossalign.logs.mindformers import GRAPH_RE, PYNATIVE_RE, parse_mindformers_log, parse_mindformers_text
+
+__all__ = ["LogFormatError", "detect_format", "parse_log", "parse_megatron_log", "parse_mindformers_log"]
+
+
+def detect_format(path: Path, text: str) -> str:
+    """"megatron", "mindformers-pynative" or "mindformers-graph": the kind of step line the text holds."""
+    found = [name for name, mark, regex in (("megatron", "] iteration ", ITERATION_RE),
+                                            ("mindformers-pynative", "{ step:[", PYNATIVE_RE),
+                                            ("mindformers-graph", "{ Epoch:[", GRAPH_RE))
+             if mark in text and regex.search(text, text.find(mark))]
+    if not found:
+        what = "is empty" if not text.strip() else "holds no Megatron or MindFormers step line"
+        raise LogFormatError(f"{path}: {what} (expected Megatron ' iteration N/ M |' lines or MindFormers "
+                             "'{ step:[' / '{ Epoch:[' lines)")
+    if len(found) > 1:
+        raise LogFormatError(f"{path}: holds step lines of several formats ({', '.join(found)}); "
+                             "give one training log per side")
+    return found[0]
+
+
+def parse_log(path: Path, core_version: str = "0.16.1", mtp_loss_scaling_factor: float | None = None) -> pd.DataFrame:
+    """Parse a training log of either framework, detected from its content."""
+    path = Path(path)
+    text, truncated = read_log_text(path)
+    if detect_format(path, text) == "megatron":
+        return parse_megatron_text(path, text, core_version, truncated)
+    return parse_mindformers_text(path, text, mtp_loss_scaling_factor, truncated)

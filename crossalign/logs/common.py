@@ -1,0 +1,115 @@
+"""What the Megatron and MindFormers parsers share: reading, number conversion, the result frame.
+
+A parsed log is a pandas DataFrame with one row per step (sorted, unique) and the columns
+``step, lm_loss, mtp_1_loss .. mtp_K_loss, aux_loss, lr, grad_norm, step_time_ms``. What the
+comparison needs to know about the log travels in ``DataFrame.attrs``:
+
+- ``path``, ``format`` ("megatron", "mindformers-pynative", "mindformers-graph");
+- ``logged``: the series the log actually printed (a column of NaN not listed here was never logged);
+- ``lr_step_offset``: the logged lr at step s is the lr applied at step s + offset
+  (1 for Megatron and MindFormers pynative, which print the next step's lr; 0 for graph mode);
+- ``notes``: sentences for the report (restarts, corrections, totals);
+- ``invalid``: reasons that make the run invalid whatever its losses (a failed Megatron load);
+- ``corrections``: the Megatron >= 0.16 first-two-iterations corrections, raw and corrected values;
+- ``duplicate_steps`` / ``restart_steps``: steps logged more than once (identical / different values).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+NAN = float("nan")
+VALUE_COLUMNS = ("lm_loss", "aux_loss", "lr", "grad_norm", "step_time_ms")
+
+
+class LogFormatError(ValueError):
+    """A log file that cannot be read as a Megatron or MindFormers training log; names the file."""
+
+
+def mtp_column(k: int) -> str:
+    return f"mtp_{k}_loss"
+
+
+def frame_columns(mtp_count: int) -> list[str]:
+    """The column order of a parsed log."""
+    return ["step", "lm_loss", *(mtp_column(k) for k in range(1, mtp_count + 1)),
+            "aux_loss", "lr", "grad_norm", "step_time_ms"]
+
+
+def read_log_text(path: Path) -> tuple[str, bool]:
+    """The text of a log and whether its last line was cut off (then dropped: a partial line lies)."""
+    path = Path(path)
+    if not path.is_file():
+        raise LogFormatError(f"{path}: no such log file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if text and not text.endswith("\n"):
+        cut = text.rfind("\n")
+        return (text[: cut + 1] if cut >= 0 else ""), True
+    return text, False
+
+
+def floats(values: tuple[str, ...] | list[str]) -> np.ndarray:
+    """Strings captured by a regex -> float64; an empty capture (field not printed) is NaN.
+
+    Python's float() reads every spelling the frameworks print: ``1.2E+01``, ``nan``, ``NaN``, ``INF``.
+    """
+    if "" in values:
+        values = ["nan" if not v else v for v in values]
+    return np.fromiter(map(float, values), dtype=np.float64, count=len(values))
+
+
+def step_ranges(steps) -> str:
+    """``[2, 3, 4, 9]`` -> ``"2-4, 9"`` for messages."""
+    steps = sorted(int(s) for s in steps)
+    if not steps:
+        return ""
+    out, start, prev = [], steps[0], steps[0]
+    for s in steps[1:]:
+        if s == prev + 1:
+            prev = s
+            continue
+        out.append(f"{start}-{prev}" if prev > start else f"{start}")
+        start = prev = s
+    out.append(f"{start}-{prev}" if prev > start else f"{start}")
+    return ", ".join(out)
+
+
+def finish_frame(path: Path, fmt: str, steps: np.ndarray, columns: dict[str, np.ndarray],
+                 mtp_count: int, logged: list[str], attrs: dict) -> pd.DataFrame:
+    """Rows in log order -> one row per step, the last occurrence winning, sorted by step.
+
+    A step printed more than once with identical values is a duplicate (several ranks in one
+    file); with different values it is a restart that re-ran the step, and the report says so.
+    """
+    if len(steps) == 0:
+        raise LogFormatError(f"{path}: no {fmt} step line with a loss value")
+    data = {"step": steps.astype(np.int64)}
+    for name in frame_columns(mtp_count)[1:]:
+        data[name] = columns.get(name, np.full(len(steps), NAN))
+    df = pd.DataFrame(data)
+    repeated = df["step"].duplicated(keep=False)
+    duplicate_steps: list[int] = []
+    restart_steps: list[int] = []
+    if repeated.any():
+        losses = [c for c in df.columns if c.endswith("_loss") or c == "lr"]
+        varying = df[repeated].fillna(-1.0).groupby("step")[losses].nunique().max(axis=1) > 1
+        restart_steps = [int(s) for s in varying.index[varying]]
+        duplicate_steps = [int(s) for s in varying.index[~varying]]
+        df = df.drop_duplicates("step", keep="last")
+    df = df.sort_values("step", kind="stable").reset_index(drop=True)
+    notes = list(attrs.pop("notes", []))
+    if restart_steps:
+        notes.append(f"steps {step_ranges(restart_steps)} were logged more than once with different values "
+                     "(a restart re-ran them); the last occurrence of each is used")
+    if duplicate_steps:
+        notes.append(f"steps {step_ranges(duplicate_steps)} were logged more than once with identical values "
+                     "(several ranks in one file, or a restart that reproduced them); one copy is used")
+    df.attrs.update({
+        "path": str(path), "format": fmt, "logged": logged, "notes": notes,
+        "invalid": attrs.pop("invalid", []), "corrections": attrs.pop("corrections", []),
+        "duplicate_steps": duplicate_steps, "restart_steps": restart_steps, **attrs,
+    })
+    return df

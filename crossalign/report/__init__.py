@@ -1,0 +1,1 @@
+"""Metrics, verdicts, diagnoses, plots and reports of a loss comparison (DAG step 6)."""

@@ -1,0 +1,160 @@
+"""Per-series agreement metrics between the NPU and GPU logs, and the applied-lr check.
+
+The relative error of a step is ``|npu - gpu| / |gpu|``: the GPU (Megatron) side is the
+reference, because Megatron is the framework the conversion targets and the one whose numbers
+the criteria were stated against. Every error is a fraction (0.005 means 0.5%).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+
+STEP1_LIMIT = 0.005     # step-1 relative error must be below 0.5%
+MEAN_LIMIT = 0.01       # mean relative error over the run must be below 1%
+GOLD_LIMIT = 0.00005    # a bitwise-level conversion: step-1 relative error below 0.005%
+LR_REL_TOLERANCE = 1e-5  # logged lrs carry 7 significant digits (%.6E, float32 repr)
+SIDES = ("npu", "gpu")
+
+
+@dataclass
+class SeriesMetrics:
+    """How one loss series of the two logs agrees; ``status`` says whether it could be compared."""
+
+    name: str
+    required: bool
+    status: str  # "compared", "missing_on_npu", "missing_on_gpu", "no_common_steps"
+    steps_compared: int = 0
+    step1: int | None = None
+    step1_rel_err: float | None = None
+    mean_rel_err: float | None = None
+    median_rel_err: float | None = None
+    max_rel_err: float | None = None
+    max_rel_err_step: int | None = None
+    pearson: float | None = None
+    first_bad_step: int | None = None
+    first_nan_step: dict[str, int | None] = field(default_factory=lambda: {"npu": None, "gpu": None})
+    passed: bool | None = None
+    gold: bool | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LrCheck:
+    """The lr each side applied per step (each framework's logging offset undone), compared."""
+
+    status: str  # "compared", "not_logged", "no_common_steps"
+    steps_compared: int = 0
+    mismatched_steps: int = 0
+    first_mismatch_step: int | None = None
+    npu_lr: float | None = None
+    gpu_lr: float | None = None
+    max_rel_diff: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _num(x) -> float | None:
+    """A JSON-safe float: None for NaN and infinity (JSON has neither)."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def aligned_frame(npu: pd.DataFrame, gpu: pd.DataFrame, series: list[str]) -> pd.DataFrame:
+    """Both sides' values of the given series by step (outer join), plus each side's applied lr."""
+    def side(df: pd.DataFrame, name: str) -> pd.DataFrame:
+        cols = {s: f"{s}_{name}" for s in series if s in df.columns}
+        part = df[["step", *cols]].rename(columns=cols).assign(**{f"logged_{name}": True})
+        applied = pd.DataFrame({"step": df["step"] + df.attrs.get("lr_step_offset", 0),
+                                f"lr_applied_{name}": df["lr"]})
+        return part.merge(applied, on="step", how="outer")
+
+    merged = side(npu, "npu").merge(side(gpu, "gpu"), on="step", how="outer").sort_values("step")
+    for name in SIDES:
+        merged[f"logged_{name}"] = merged[f"logged_{name}"].fillna(False).astype(bool)
+    for s in series:
+        for name in SIDES:
+            if f"{s}_{name}" not in merged.columns:
+                merged[f"{s}_{name}"] = np.nan
+        gpu_values = merged[f"{s}_gpu"].to_numpy()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            merged[f"{s}_rel_err"] = np.abs(merged[f"{s}_npu"].to_numpy() - gpu_values) / np.abs(gpu_values)
+    return merged.reset_index(drop=True)
+
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float | None:
+    if len(a) < 2 or np.std(a) == 0 or np.std(b) == 0:
+        return None
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def series_metrics(name: str, required: bool, merged: pd.DataFrame, logged: dict[str, bool],
+                   excluded: set[int], step_threshold: float) -> SeriesMetrics:
+    """Metrics of one series over the steps both logs hold; excluded steps leave mean/median/max/pearson."""
+    if not logged["npu"] or not logged["gpu"]:
+        return SeriesMetrics(name, required, "missing_on_npu" if not logged["npu"] else "missing_on_gpu",
+                             passed=False if required else None)
+    steps = merged["step"].to_numpy()
+    a, b = merged[f"{name}_npu"].to_numpy(), merged[f"{name}_gpu"].to_numpy()
+    on_npu, on_gpu = merged["logged_npu"].to_numpy(), merged["logged_gpu"].to_numpy()
+    nan_first = {}
+    for side_name, values, on in (("npu", a, on_npu), ("gpu", b, on_gpu)):
+        bad = on & ~np.isfinite(values)
+        nan_first[side_name] = int(steps[bad][0]) if bad.any() else None
+    both = on_npu & on_gpu
+    if not both.any():
+        return SeriesMetrics(name, required, "no_common_steps", first_nan_step=nan_first,
+                             passed=False if required else None)
+    rel = merged[f"{name}_rel_err"].to_numpy()
+    use = both & np.isfinite(rel) & ~np.isin(steps, list(excluded))
+    used = rel[use]
+    over = both & ~(rel <= step_threshold)  # NaN and inf count as over
+    first_bad = int(steps[over][0]) if over.any() else None
+    nan_steps = [s for s in nan_first.values() if s is not None]
+    metrics = SeriesMetrics(
+        name, required, "compared",
+        steps_compared=int(use.sum()),
+        step1=int(steps[both][0]),
+        step1_rel_err=_num(rel[both][0]),
+        mean_rel_err=_num(used.mean()) if len(used) else None,
+        median_rel_err=_num(np.median(used)) if len(used) else None,
+        max_rel_err=_num(used.max()) if len(used) else None,
+        max_rel_err_step=int(steps[use][int(np.argmax(used))]) if len(used) else None,
+        pearson=_pearson(a[use], b[use]),
+        first_bad_step=first_bad,
+        first_nan_step=nan_first,
+    )
+    step1_ok = metrics.step1_rel_err is not None and metrics.step1_rel_err < STEP1_LIMIT
+    mean_ok = metrics.mean_rel_err is not None and metrics.mean_rel_err < MEAN_LIMIT
+    metrics.passed = bool(step1_ok and mean_ok and not nan_steps)
+    metrics.gold = bool(metrics.step1_rel_err is not None and metrics.step1_rel_err < GOLD_LIMIT)
+    return metrics
+
+
+def lr_check(merged: pd.DataFrame) -> LrCheck:
+    """Compare the applied lr where both logs tell it (the first step's lr is unknown to offset-1 logs)."""
+    if "lr_applied_npu" not in merged or "lr_applied_gpu" not in merged:
+        return LrCheck("not_logged")
+    a, b = merged["lr_applied_npu"].to_numpy(), merged["lr_applied_gpu"].to_numpy()
+    both = ~np.isnan(a) & ~np.isnan(b)
+    if merged["lr_applied_npu"].isna().all() or merged["lr_applied_gpu"].isna().all():
+        return LrCheck("not_logged")
+    if not both.any():
+        return LrCheck("no_common_steps")
+    diff = np.abs(a[both] - b[both])
+    scale = np.maximum(np.abs(a[both]), np.abs(b[both]))
+    rel = np.where(scale > 0, diff / np.where(scale > 0, scale, 1.0), 0.0)
+    bad = rel > LR_REL_TOLERANCE
+    check = LrCheck("compared", steps_compared=int(both.sum()), mismatched_steps=int(bad.sum()),
+                    max_rel_diff=float(rel.max()))
+    if bad.any():
+        i = int(np.argmax(bad))
+        check.first_mismatch_step = int(merged["step"].to_numpy()[both][i])
+        check.npu_lr, check.gpu_lr = float(a[both][i]), float(b[both][i])
+    return check
