@@ -169,13 +169,14 @@ def _nbytes(tensors) -> int:
 
 def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path, output_dir: Path, *,
                        core_version: str = "0.16.1", dtype: str = "fp32", experts: str = "per_expert",
-                       tp: int = 1, pp: int = 1, fault: str | None = None, common: dict | None = None,
+                       tp: int = 1, pp: int = 1, fault: str | None = None, global_batch_size: int | None = None,
                        progress: Progress | None = None) -> ConvertReport:
     """Convert a checkpoint folder into a new folder (which must not exist or be empty).
 
     ms2mg reads a MindFormers checkpoint tensor by tensor and writes a Megatron legacy
     checkpoint resharded to tp x pp; mg2ms merges a Megatron checkpoint and writes a
-    single-rank MindFormers checkpoint with ``common`` (default: a fresh common.json).
+    single-rank MindFormers checkpoint whose common.json records the Megatron iteration (and
+    ``global_batch_size`` with the samples consumed, when given).
     ``dtype`` casts floating tensors (fp32, as the source converter does, bf16, or keep).
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
@@ -213,7 +214,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         keys_out, bytes_out = len(state), _nbytes(state.values())
         if progress:
             progress(keys_in, keys_in, "writing the MindFormers file")
-        written = write_mindformers_checkpoint(output_dir, iteration, state, None, common or default_common(iteration))
+        written = write_mindformers_checkpoint(output_dir, iteration, state, None,
+                                               default_common(iteration, global_batch_size))
         files = sorted(written.glob("*.safetensors"))
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,

@@ -1,9 +1,101 @@
-"""CLI commands of this area (registered on the main app)."""
+"""``crossalign cast-bf16`` and ``crossalign convert``: the checkpoint steps of the DAG (2 and 3)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
+
+from crossalign.cli.common import console, user_errors
 
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to app."""
+    app.command("cast-bf16")(cast_bf16_command)
+    app.command("convert")(convert_command)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description:<28.28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+def cast_bf16_command(
+    input_dir: Path = typer.Option(..., "--input", help="MindFormers checkpoint: root with the tracker, an "
+                                   "iteration_%08d folder, or a bare folder of safetensors."),
+    output_dir: Path = typer.Option(..., "--output", help="New (or empty) folder for the bf16 copy."),
+) -> None:
+    """Cast every floating tensor of a MindFormers checkpoint to bf16, keeping its layout (any model)."""
+    from crossalign.checkpoint.cast import cast_bf16
+    from crossalign.checkpoint.errors import CheckpointError
+
+    with user_errors(CheckpointError, OSError), _progress() as progress:
+        task = progress.add_task("casting", total=None)
+
+        def report(done: int, total: int, name: str) -> None:
+            progress.update(task, completed=done, total=total, description=name)
+
+        result = cast_bf16(input_dir, output_dir, progress=report)
+    console.print(f"cast {result.cast} of {result.tensors} tensors to bf16 in {len(result.files)} file(s): "
+                  f"{_size(result.bytes_in)} -> {_size(result.bytes_out)} in {result.seconds:.1f} s -> {output_dir}",
+                  highlight=False)
+
+
+def convert_command(
+    model: str = typer.Option(..., "--model", help="Model config name or YAML path."),
+    direction: str = typer.Option(..., "--direction", help="ms2mg (MindFormers -> Megatron) or mg2ms."),
+    input_dir: Path = typer.Option(..., "--input", help="Checkpoint folder to read."),
+    output_dir: Path = typer.Option(..., "--output", help="New (or empty) folder to write."),
+    core_version: Optional[str] = typer.Option(None, "--core-version", help="Megatron core version (decides the MTP "
+                                               "key prefix); default: the config's training.megatron_core_version."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 (as the source converter), bf16, or keep."),
+    experts: str = typer.Option("per-expert", "--experts", help="per-expert (TE grouped linear_fc1.weight0..N, "
+                                "loads strictly) or stacked (one [E, 2i, H] tensor)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks of the Megatron output (ms2mg)."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline stages of the Megatron output (ms2mg)."),
+    fault: Optional[str] = typer.Option(None, "--fault", help="Inject a known conversion bug (self-check only); "
+                                        "the output is then written without validation."),
+) -> None:
+    """Convert a checkpoint between MindFormers and Megatron layouts, validated before anything is written."""
+    from rich.table import Table
+
+    from crossalign.checkpoint.convert import convert_checkpoint
+    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.checkpoint.faults import FAULTS
+    from crossalign.config import ConfigError, load_config
+
+    forms = {"per-expert": "per_expert", "stacked": "stacked"}
+    with user_errors(CheckpointError, ConfigError, OSError):
+        if experts not in forms:
+            raise CheckpointError(f"--experts {experts!r} is not one of {', '.join(forms)}")
+        if fault is not None and fault not in FAULTS:
+            raise CheckpointError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
+        config = load_config(model)
+        version = core_version or config.training.megatron_core_version
+        with _progress() as progress:
+            task = progress.add_task("converting", total=None)
+
+            def report(done: int, total: int, what: str) -> None:
+                progress.update(task, completed=done, total=total, description=what)
+
+            result = convert_checkpoint(
+                config.model, direction, input_dir, output_dir,  # type: ignore[arg-type]
+                core_version=version, dtype=dtype, experts=forms[experts], tp=tp, pp=pp, fault=fault,
+                global_batch_size=config.training.global_batch_size, progress=report)
+    table = Table(title=f"{direction} {config.model.name} (core {version})", show_header=False)
+    table.add_row("keys", f"{result.keys_in} in -> {result.keys_out} out")
+    table.add_row("bytes", f"{_size(result.bytes_in)} in -> {_size(result.bytes_out)} out ({dtype})")
+    table.add_row("layout", f"tp={result.tp} pp={result.pp}, iteration {result.iteration}, {len(result.files)} file(s)")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("output", str(output_dir))
+    console.print(table)
+    if fault is not None:
+        console.print(f"[bold yellow]warning:[/] fault {fault!r} injected ({FAULTS[fault]}); "
+                      "the output was written WITHOUT validation", highlight=False)

@@ -1,0 +1,196 @@
+"""Checkpoint files: streaming safetensors, the MindFormers 2.0 layout, the Megatron legacy layout, atomicity."""
+
+import datetime
+import json
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from crossalign.checkpoint.errors import CheckpointError
+from crossalign.checkpoint.megatron import read_megatron_checkpoint, write_megatron_checkpoint
+from crossalign.checkpoint.mindformers import (
+    default_common,
+    read_mindformers_checkpoint,
+    write_mindformers_checkpoint,
+)
+from crossalign.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header, write_safetensors
+
+TENSORS = {
+    "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+    "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+    "step": torch.tensor([7], dtype=torch.int32),
+    "lr": torch.tensor(0.25),
+}
+
+
+def test_streamed_safetensors_load_with_the_reference_library(tmp_path):
+    path = tmp_path / "x.safetensors"
+    write_safetensors(path, TENSORS, {"format": "ms"})
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in TENSORS.items())
+    infos, metadata = read_header(path)
+    assert metadata == {"format": "ms"}
+    assert [i.name for i in infos] == list(TENSORS)
+    header_length = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert header_length % 8 == 0
+
+
+def test_writer_rejects_a_tensor_it_was_not_told_about(tmp_path):
+    with pytest.raises(CheckpointError, match="expected 'a'"):
+        with SafetensorsWriter(tmp_path / "x.safetensors", [TensorInfo("a", "F32", (2,))], None) as writer:
+            writer.write("a", torch.zeros(3))
+    with pytest.raises(CheckpointError, match="never written"):
+        with SafetensorsWriter(tmp_path / "y.safetensors", [TensorInfo("a", "F32", (2,))], None):
+            pass
+
+
+@pytest.mark.parametrize("cut", [3, 20, 1])
+def test_truncated_safetensors_is_named(tmp_path, cut):
+    path = tmp_path / "x.safetensors"
+    save_file(TENSORS, path)
+    data = path.read_bytes()
+    path.write_bytes(data[:cut] if cut < 8 else data[:-cut])
+    with pytest.raises(CheckpointError, match="x.safetensors: not a readable safetensors file"):
+        read_header(path)
+
+
+def _mf(tmp_path: Path, iteration=3, optimizer=True) -> Path:
+    opt = {"adam_m.w": torch.zeros(3, 4), "global_step": torch.tensor([iteration], dtype=torch.int32)}
+    write_mindformers_checkpoint(tmp_path / "ck", iteration, {k: TENSORS[k] for k in ("w", "b")},
+                                 opt if optimizer else None, default_common(iteration, 8))
+    return tmp_path / "ck"
+
+
+def test_mindformers_layout_as_mindformers_saves_it(tmp_path):
+    root = _mf(tmp_path)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
+    folder = root / "iteration_00000003"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "common.json", "qwen35-model-0000000-0000001.safetensors", "qwen35-opt-0000000-0000001.safetensors"]
+    common = json.loads((folder / "common.json").read_text())
+    assert common == {"epoch_num": 1, "step_num": 3, "global_step": 3, "loss_scale": 1.0, "global_batch_size": 8,
+                      "consumed_samples": 24, "ckpt_status": None}
+    assert read_header(folder / "qwen35-model-0000000-0000001.safetensors")[1] == {"format": "ms"}
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary sibling left
+
+
+@pytest.mark.parametrize("where", ["root", "iteration", "bare"])
+def test_mindformers_checkpoint_is_found_from_any_of_its_folders(tmp_path, where):
+    root = _mf(tmp_path)
+    if where == "bare":
+        bare = tmp_path / "bare"
+        bare.mkdir()
+        for file in (root / "iteration_00000003").glob("*.safetensors"):
+            file.rename(bare / file.name)
+        path = bare
+    else:
+        path = root if where == "root" else root / "iteration_00000003"
+    checkpoint = read_mindformers_checkpoint(path)
+    assert checkpoint.iteration == (None if where == "bare" else 3)
+    assert (checkpoint.common is None) == (where == "bare")
+    state = checkpoint.model_state()
+    assert sorted(state) == ["b", "w"]  # optimizer entries are not model weights
+    assert torch.equal(state["w"], TENSORS["w"])
+    assert sorted(checkpoint.optimizer_state()) == ["adam_m.w", "global_step"]
+
+
+def test_missing_common_json_is_an_error_in_the_iteration_layout(tmp_path):
+    root = _mf(tmp_path)
+    (root / "iteration_00000003" / "common.json").unlink()
+    with pytest.raises(CheckpointError, match="common.json is missing"):
+        read_mindformers_checkpoint(root)
+
+
+def test_bad_trackers_and_folders_are_named(tmp_path):
+    root = _mf(tmp_path)
+    (root / "latest_checkpointed_iteration.txt").write_text("9")
+    with pytest.raises(CheckpointError, match="names iteration 9"):
+        read_mindformers_checkpoint(root)
+    (root / "latest_checkpointed_iteration.txt").write_text("soon")
+    with pytest.raises(CheckpointError, match="found 'soon'"):
+        read_mindformers_checkpoint(root)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="no .safetensors files"):
+        read_mindformers_checkpoint(empty)
+    with pytest.raises(CheckpointError, match="not a folder"):
+        read_mindformers_checkpoint(tmp_path / "nowhere")
+
+
+def test_a_tensor_stored_twice_is_an_error(tmp_path):
+    folder = tmp_path / "bare"
+    folder.mkdir()
+    save_file({"w": torch.zeros(2)}, folder / "a.safetensors")
+    save_file({"w": torch.ones(2)}, folder / "b.safetensors")
+    with pytest.raises(CheckpointError, match="'w' is stored twice"):
+        read_mindformers_checkpoint(folder)
+
+
+def test_a_second_save_adds_an_iteration_and_moves_the_tracker(tmp_path):
+    root = _mf(tmp_path, iteration=3)
+    write_mindformers_checkpoint(root, 5, {"w": TENSORS["w"] * 2}, None, default_common(5))
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert torch.equal(read_mindformers_checkpoint(root).model_state()["w"], TENSORS["w"] * 2)
+    with pytest.raises(CheckpointError, match="already saved"):
+        write_mindformers_checkpoint(root, 5, {"w": TENSORS["w"]}, None, default_common(5))
+
+
+def test_megatron_checkpoint_holds_only_plain_data_and_loads_with_weights_only(tmp_path):
+    state = {"a.weight": torch.randn(4, 2), "b.weight": torch.randn(3)}
+    written = write_megatron_checkpoint(tmp_path / "mg", 12, state)
+    assert written == tmp_path / "mg" / "iter_0000012"
+    assert (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_bytes() == b"12"
+    file = written / "mp_rank_00" / "model_optim_rng.pt"
+    raw = torch.load(file, weights_only=True)
+    assert set(raw) == {"checkpoint_version", "iteration", "model"}
+    assert raw["checkpoint_version"] == 3.0 and raw["iteration"] == 12
+    with zipfile.ZipFile(file) as archive:
+        pickled = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    assert b"argparse" not in pickled and b"Namespace" not in pickled
+    loaded = read_megatron_checkpoint(tmp_path / "mg")
+    assert loaded.iteration == 12 and (loaded.tp, loaded.pp) == (1, 1)
+    assert all(torch.equal(loaded.state[k], v) for k, v in state.items())
+
+
+def test_megatron_views_are_saved_without_their_whole_storage(tmp_path):
+    big = torch.randn(1000, 100)
+    write_megatron_checkpoint(tmp_path / "mg", 1, {"row": big[3]})
+    size = (tmp_path / "mg" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt").stat().st_size
+    assert size < 20_000
+
+
+def test_megatron_reader_drops_extra_state_and_rejects_foreign_pickles(tmp_path):
+    folder = tmp_path / "iter_0000002" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"checkpoint_version": 3.0, "iteration": 2,
+                "model": {"x.weight": torch.ones(2), "x._extra_state": None}}, folder / "model_optim_rng.pt")
+    loaded = read_megatron_checkpoint(tmp_path / "iter_0000002")
+    assert list(loaded.state) == ["x.weight"] and loaded.iteration == 2
+    torch.save({"checkpoint_version": 3.0, "model": {"x.weight": torch.ones(2)}, "saved": datetime.date(2026, 1, 1)},
+               folder / "model_optim_rng.pt")
+    with pytest.raises(CheckpointError, match="weights_only"):
+        read_megatron_checkpoint(tmp_path / "iter_0000002")
+
+
+def test_megatron_release_tracker(tmp_path):
+    folder = tmp_path / "mg" / "release" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"checkpoint_version": 3.0, "iteration": 0, "model": {"x": torch.ones(1)}}, folder / "model_optim_rng.pt")
+    (tmp_path / "mg" / "latest_checkpointed_iteration.txt").write_text("release")
+    assert read_megatron_checkpoint(tmp_path / "mg").iteration == 0
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path):
+    with pytest.raises(CheckpointError, match="'bad' has dtype torch.complex64"):
+        write_mindformers_checkpoint(tmp_path / "new", 1, {"w": torch.ones(2), "bad": torch.ones(2, dtype=torch.complex64)},
+                                     None, default_common(1))
+    assert list(tmp_path.iterdir()) == []
+    root = _mf(tmp_path)
+    with pytest.raises(CheckpointError):
+        write_mindformers_checkpoint(root, 4, {"bad": torch.ones(2, dtype=torch.complex64)}, None, default_common(4))
+    assert sorted(p.name for p in root.iterdir()) == ["iteration_00000003", "latest_checkpointed_iteration.txt"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
