@@ -1,0 +1,131 @@
+"""Known causes of a first divergence, by the module where it shows (the pitfalls of SPEC sections 3 and 9).
+
+Each entry says where a broken conversion first shows in a layer-by-layer comparison, why,
+and which fault of ``crossalign.checkpoint.faults`` reproduces it, so that the tests can
+prove every hint against the fault it names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from crossalign.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KnownCause:
+    """A pitfall: the Megatron module names where it first shows (regex), the cause, and what to check."""
+
+    where: str
+    cause: str
+    check: str
+    faults: tuple[str, ...] = ()
+    layer_kind: str | None = None  # "attention" / "gdn": only for layers of that kind
+    ffn: str | None = None  # "dense" / "moe": only for models with that FFN
+
+    def matches(self, module: str, model: ModelConfig) -> bool:
+        if not re.search(self.where, module):
+            return False
+        if self.ffn is not None and self.ffn != model.kind:
+            return False
+        if self.layer_kind is not None and layer_kind_of(module, model) != self.layer_kind:
+            return False
+        return True
+
+
+def layer_kind_of(module: str, model: ModelConfig) -> str | None:
+    """"attention"/"gdn" for a module inside a decoder layer or MTP layer (MTP layers are full attention)."""
+    found = re.match(r"decoder\.layers\.(\d+)\.", module + ".")
+    if found:
+        index = int(found.group(1))
+        return model.layer_kind(index) if index < model.num_layers else None
+    return "attention" if module.startswith("mtp.layers.") else None
+
+
+KNOWN_CAUSES: tuple[KnownCause, ...] = (
+    KnownCause(
+        where=r"^mtp\.",
+        cause="the MTP layer alone differs: MTP weights under the wrong inner-layer prefix (transformer_layer up "
+              "to megatron-core 0.16, mtp_model_layer from 0.17) stay random in Megatron, or enorm/hnorm or the "
+              "eh_proj input order [embedding, hidden] is swapped",
+        check="the MTP prefix for training.megatron_core_version, the load_return line of the Megatron log, "
+              "enorm vs hnorm and the eh_proj concat order",
+        faults=("wrong_mtp_prefix",),
+    ),
+    KnownCause(
+        where=r"\.mlp\.experts(\.|$)",
+        cause="routed expert weights not transposed: MindSpore weight1 [E,H,2i] / weight2 [E,i,H] must become "
+              "TE's [E,2i,H] / [E,H,i]; a square weight1 (hidden == 2*moe_ffn) hides this from shape checks",
+        check="transpose(-1,-2) of mlp.experts.weight1 and weight2 (no gate/up swap, no de-interleave)",
+        faults=("routed_expert_not_transposed", "gate_up_swapped"),
+        ffn="moe",
+    ),
+    KnownCause(
+        where=r"\.mlp\.shared_experts(\.|$)",
+        cause="shared-expert fc1 not de-interleaved (MindFormers stores SwiGLU rows interleaved [g0,u0,g1,u1,...], "
+              "Megatron expects [G;U]) or its gate and up halves swapped; about a 5% step-1 loss error",
+        check="cat(w[0::2], w[1::2]) on mlp.shared_experts.linear_fc1.weight, gate half first",
+        faults=("shared_fc1_not_deinterleaved", "gate_up_swapped"),
+        ffn="moe",
+    ),
+    KnownCause(
+        where=r"\.mlp(\.linear_fc1|\.linear_fc2)?$",
+        cause="dense fc1 not de-interleaved (MindFormers [g0,u0,g1,u1,...] vs Megatron [G;U]) or gate and up "
+              "halves swapped",
+        check="cat(w[0::2], w[1::2]) on mlp.linear_fc1.weight, gate half first",
+        faults=("dense_fc1_not_deinterleaved", "gate_up_swapped"),
+        ffn="dense",
+    ),
+    KnownCause(
+        where=r"\.mlp\.router$",
+        cause="router weights differ, or the routing differs: norm_topk_prob false on one side (expert weights "
+              "off by ~2x), score function or top-k",
+        check="mlp.router.weight copied as is; norm_topk_prob true on the MindSpore side",
+    ),
+    KnownCause(
+        where=r"\.self_attention\.in_proj$",
+        cause="GDN in_proj rows in the wrong order: Megatron expects [q | k | v | z | beta | alpha]; dense "
+              "checkpoints must concatenate in_proj_qkv, linear_g (z), linear_b (beta), linear_a (alpha) in that order",
+        check="the order of the fused in_proj segments",
+        faults=("in_proj_wrong_order",),
+        layer_kind="gdn",
+    ),
+    KnownCause(
+        where=r"\.self_attention(\.(conv1d|out_norm|out_proj))?$",
+        cause="GDN internals differ: the conv1d weight (C,1,1,K) reshaped along the wrong axis, a_log not renamed "
+              "to A_log (left random), dt_bias, or the in_proj segment order (when in_proj itself could not be "
+              "compared: dense checkpoints split it in four)",
+        check="conv1d squeeze of dim 2 only, the a_log -> A_log rename, dt_bias copy, in_proj order",
+        faults=("conv1d_wrong_axis", "a_log_not_renamed", "in_proj_wrong_order"),
+        layer_kind="gdn",
+    ),
+    KnownCause(
+        where=r"\.self_attention(\.(linear_qkv|linear_proj|q_layernorm|k_layernorm|core_attention))?$",
+        cause="gated attention differs: linear_qkv rows must stay per query group [q heads | gate heads | k | v], "
+              "the input norm becomes linear_qkv.layer_norm_weight, q/k layernorm copied",
+        check="linear_qkv copied without regrouping; input_layernorm -> linear_qkv.layer_norm_weight",
+        layer_kind="attention",
+    ),
+    KnownCause(
+        where=r"(^|\.)(pre_mlp_layernorm|input_layernorm|final_layernorm|enorm|hnorm)$",
+        cause="a norm weight differs: zero-centred (1+w) vs plain gamma, or a fused norm weight not moved to the "
+              "linear's layer_norm_weight",
+        check="norms copied as is (no --apply-layernorm-1p), fused norms under <linear>.layer_norm_weight",
+    ),
+    KnownCause(
+        where=r"^embedding(\.|$)",
+        cause="embedding differs: rows must equal padded_vocab_size and are copied as is",
+        check="embedding.word_embeddings.weight shape and padded vocab size",
+    ),
+    KnownCause(
+        where=r"^output_layer$",
+        cause="output layer differs: untied embedding and output weights must both be converted",
+        check="output_layer.weight copied; --untie-embeddings-and-output-weights",
+    ),
+)
+
+
+def explain(module: str, model: ModelConfig) -> list[KnownCause]:
+    """The known causes for a first divergence at the Megatron module ``module``, most specific first."""
+    return [cause for cause in KNOWN_CAUSES if cause.matches(module, model)]
