@@ -325,7 +325,7 @@ def check_patch(patch: Patch, root: Path) -> PatchReport:
                            version, edits)
     if all(e.status == "applied" for e in edits):
         return PatchReport(patch, root, "applied", "every edit is in place", version, edits)
-    pending = [e.label for e in edits if e.status == "applicable"]
+    pending = [f"{e.label}: {e.detail}" for e in edits if e.status == "applicable"]
     return PatchReport(patch, root, "applicable", "to do: " + "; ".join(pending), version, edits)
 
 
