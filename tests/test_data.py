@@ -148,6 +148,10 @@ def test_both_sides_identical_with_the_shared_config(dataset, tiny):
     base = batches_for("mindformers", training, dataset.prefix,
                        num_samples=training.base_train_iters * training.global_batch_size)
     assert len(base) == training.base_train_iters
+    # megatron-core's index cache is published next to the data, complete, with no staging left behind
+    cache = dataset.prefix.parent / "cache"
+    assert len(list(cache.glob("*-GPTDataset-train-shuffle_index.npy"))) >= 2
+    assert not [p for p in dataset.prefix.parent.iterdir() if p.name.startswith(".staging-")]
     report = compare_sample_order(SampleOrderSettings.for_megatron(training),
                                   SampleOrderSettings.for_mindformers(training), dataset.prefix,
                                   training.global_batch_size, 5)
