@@ -1,9 +1,70 @@
-"""CLI commands of this area (registered on the main app)."""
+"""``crossalign compare``: judge an NPU log against a GPU log and write the report."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+EXIT_CODES = {"pass": 0, "fail": 1, "invalid": 2}
+
+
+def _parse_steps(text: str) -> tuple[int, ...]:
+    """``"2,5-7"`` -> ``(2, 5, 6, 7)``."""
+    steps: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise typer.BadParameter(f"{part!r} is not a step or a range like 5-7", param_hint="--exclude-steps") from None
+        steps.extend(range(first, last + 1))
+    return tuple(steps)
+
+
+def compare(
+    npu_log: Path = typer.Option(..., "--npu-log", help="MindFormers log of the NPU run (pynative or graph mode)."),
+    gpu_log: Path = typer.Option(..., "--gpu-log", help="Megatron log of the GPU run (the reference)."),
+    out: Path = typer.Option(..., "--out", help="Folder for summary.json, steps.csv, loss.png, report.html, report.md."),
+    megatron_core_version: str = typer.Option(
+        "0.16.1", help="Core version that wrote the Megatron log; from 0.16 its 2nd line after a start is a mean."),
+    exclude_steps: str = typer.Option("", help="Steps left out of mean/median/max/pearson, e.g. '2' or '1-3,10'."),
+    step_threshold: float = typer.Option(0.01, help="Relative error above which a step counts as bad (fraction)."),
+    mtp_loss_scaling_factor: float = typer.Option(
+        None, help="Only for graph-mode logs: their mtp_loss is already multiplied by this factor."),
+    plot: bool = typer.Option(True, "--plot/--no-plot", help="Render loss.png (and embed it in report.html)."),
+) -> None:
+    """Compare the losses of the two runs: exit 0 pass, 1 fail, 2 bad input or invalid run."""
+    from rich.table import Table
+
+    from crossalign.cli.common import console, user_errors
+    from crossalign.logs import LogFormatError
+    from crossalign.report.compare import CompareOptions, compare_logs
+    from crossalign.report.render import metric_rows
+
+    options = CompareOptions(megatron_core_version=megatron_core_version, exclude_steps=_parse_steps(exclude_steps),
+                             step_threshold=step_threshold, mtp_loss_scaling_factor=mtp_loss_scaling_factor,
+                             plot=plot)
+    with user_errors(LogFormatError):
+        with console.status("parsing and comparing the logs"):
+            summary = compare_logs(npu_log, gpu_log, out, options)
+
+    rows = metric_rows(summary)
+    table = Table(*rows[0].keys(), title="loss agreement (relative error = |npu - gpu| / |gpu|)")
+    for row in rows:
+        table.add_row(*row.values())
+    console.print(table)
+    color = {"pass": "green", "fail": "red", "invalid": "yellow"}[summary.verdict]
+    console.print(f"[bold {color}]verdict: {summary.verdict.upper()}[/]"
+                  + ("  (gold standard: step 1 < 0.005%)" if summary.gold_standard else ""))
+    for reason in summary.reasons:
+        console.print(f"  - {reason}", highlight=False)
+    for finding in summary.diagnosis:
+        console.print(f"[bold]diagnosis[/] ({finding['pattern']}): {finding['message']}", highlight=False)
+    console.print(f"report: {Path(out) / 'report.html'}", highlight=False)
+    raise typer.Exit(EXIT_CODES[summary.verdict])
 
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to app."""
+    app.command("compare")(compare)

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 NAN = float("nan")
-VALUE_COLUMNS = ("lm_loss", "aux_loss", "lr", "grad_norm", "step_time_ms")
+MAX_REPORTED_RESTARTS = 10
 
 
 class LogFormatError(ValueError):
@@ -90,6 +90,15 @@ def finish_frame(path: Path, fmt: str, steps: np.ndarray, columns: dict[str, np.
     for name in frame_columns(mtp_count)[1:]:
         data[name] = columns.get(name, np.full(len(steps), NAN))
     df = pd.DataFrame(data)
+    notes = list(attrs.pop("notes", []))
+    drops = np.flatnonzero(np.diff(steps) < 0) + 1
+    if 0 < len(drops) <= MAX_REPORTED_RESTARTS:
+        for i in drops:
+            notes.append(f"the log goes back from step {int(steps[i - 1])} to step {int(steps[i])} "
+                         "(a restart); the last occurrence of each step is used")
+    elif len(drops):
+        notes.append(f"the step numbers go back {len(drops)} times (interleaved ranks or many restarts); "
+                     "the last occurrence of each step is used")
     repeated = df["step"].duplicated(keep=False)
     duplicate_steps: list[int] = []
     restart_steps: list[int] = []
@@ -100,13 +109,12 @@ def finish_frame(path: Path, fmt: str, steps: np.ndarray, columns: dict[str, np.
         duplicate_steps = [int(s) for s in varying.index[~varying]]
         df = df.drop_duplicates("step", keep="last")
     df = df.sort_values("step", kind="stable").reset_index(drop=True)
-    notes = list(attrs.pop("notes", []))
     if restart_steps:
-        notes.append(f"steps {step_ranges(restart_steps)} were logged more than once with different values "
-                     "(a restart re-ran them); the last occurrence of each is used")
+        notes.append(f"step(s) {step_ranges(restart_steps)} were logged more than once with different values "
+                     "(re-run after a restart); the last occurrence of each is used")
     if duplicate_steps:
-        notes.append(f"steps {step_ranges(duplicate_steps)} were logged more than once with identical values "
-                     "(several ranks in one file, or a restart that reproduced them); one copy is used")
+        notes.append(f"step(s) {step_ranges(duplicate_steps)} were logged more than once with identical values "
+                     "(several ranks in one file, or a restart that reproduced them)")
     df.attrs.update({
         "path": str(path), "format": fmt, "logged": logged, "notes": notes,
         "invalid": attrs.pop("invalid", []), "corrections": attrs.pop("corrections", []),

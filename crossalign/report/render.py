@@ -59,6 +59,17 @@ def metric_rows(summary: Summary) -> list[dict[str, str]]:
     return rows
 
 
+def _decimate(x: np.ndarray, y: np.ndarray, buckets: int = 2000) -> tuple[np.ndarray, np.ndarray]:
+    """At most 2*buckets points: the min and max of each bucket, so spikes stay visible in long runs."""
+    if len(x) <= 2 * buckets:
+        return x, y
+    edges = np.linspace(0, len(x), buckets + 1).astype(int)
+    lo = np.minimum.reduceat(y, edges[:-1])
+    hi = np.maximum.reduceat(y, edges[:-1])
+    xs = x[edges[:-1]]
+    return np.repeat(xs, 2), np.column_stack([lo, hi]).ravel()
+
+
 def plot_losses(summary: Summary, merged: pd.DataFrame, path: Path) -> None:
     """Both curves per series (left) and the relative error on a log axis with the thresholds (right)."""
     import matplotlib
@@ -74,13 +85,13 @@ def plot_losses(summary: Summary, merged: pd.DataFrame, path: Path) -> None:
         for side, style in (("npu", "-"), ("gpu", "--")):
             values = merged[f"{name}_{side}"].to_numpy()
             keep = ~np.isnan(values)
-            left.plot(steps[keep], values[keep], style, linewidth=1, label=f"{side}")
+            left.plot(*_decimate(steps[keep], values[keep]), style, linewidth=1, label=f"{side}")
         left.set_title(name)
         left.set_xlabel("step")
         left.legend(loc="upper right")
         rel = merged[f"{name}_rel_err"].to_numpy()
         keep = np.isfinite(rel)
-        right.semilogy(steps[keep], np.maximum(rel[keep], ZERO_FLOOR), linewidth=1, color="tab:purple",
+        right.semilogy(*_decimate(steps[keep], np.maximum(rel[keep], ZERO_FLOOR)), linewidth=1, color="tab:purple",
                        label="|npu-gpu|/|gpu|")
         for limit, label, color in ((MEAN_LIMIT, "1% mean limit", "tab:red"),
                                     (STEP1_LIMIT, "0.5% step-1 limit", "tab:orange"),

@@ -1,0 +1,122 @@
+"""Megatron log parsing: real-looking logs with noise, the core-0.16 iteration-2 mean, restarts, load failures."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from crossalign.logs import LogFormatError, parse_log, parse_megatron_log
+from crossalign.logs.formats import megatron_line
+from crossalign.logs.synthetic import megatron_lines, write_log
+
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
+LM = [11.91, 11.85, 11.80, 11.76, 11.70, 11.65, 11.61, 11.55, 11.50, 11.46]
+MTP = [12.4 - 0.04 * k for k in range(10)]
+WARMUP = [1e-5 * min(k, 4) / 4 for k in range(10)]  # applied lr of steps 1..10
+
+
+def test_noisy_log_gives_every_series_and_undoes_the_iteration2_mean():
+    df = parse_megatron_log(FIXTURES / "megatron_0.16_noise.log")
+    assert list(df.columns) == ["step", "lm_loss", "mtp_1_loss", "aux_loss", "lr", "grad_norm", "step_time_ms"]
+    assert df["step"].tolist() == list(range(1, 11))
+    np.testing.assert_allclose(df["lm_loss"], LM, rtol=1e-6)  # step 2 printed 11.88 = mean(11.91, 11.85)
+    np.testing.assert_allclose(df["mtp_1_loss"], MTP, rtol=1e-6)
+    assert df.attrs["corrections"][0]["raw"]["lm_loss"] == pytest.approx(11.88)
+    assert df.attrs["lr_step_offset"] == 1
+    np.testing.assert_allclose(df["lr"].iloc[:-1], WARMUP[1:], rtol=1e-6)  # the next step's lr
+    assert df.attrs["invalid"] == []
+    assert any("2*printed(2) - printed(1)" in n for n in df.attrs["notes"])
+
+
+def test_older_core_reads_the_second_line_as_is():
+    df = parse_megatron_log(FIXTURES / "megatron_0.16_noise.log", core_version="0.15.3")
+    assert df["lm_loss"].iloc[1] == pytest.approx(11.88)
+    assert df.attrs["corrections"] == []
+
+
+def test_incompatible_keys_make_the_run_invalid_and_extra_state_only_does_not(tmp_path):
+    df = parse_megatron_log(FIXTURES / "megatron_incompatible_keys.log")
+    assert len(df.attrs["invalid"]) == 1
+    assert "decoder.layers.0.self_attention.A_log" in df.attrs["invalid"][0]
+
+    text = (FIXTURES / "megatron_0.16_noise.log").read_text().replace(
+        "training ...\n", "load_return: _IncompatibleKeys(missing_keys=['decoder.layers.0.mlp.linear_fc1._extra_state'], "
+        "unexpected_keys=[])\ntraining ...\n")
+    df = parse_megatron_log(write_log(tmp_path / "extra.log", text.splitlines()))
+    assert df.attrs["invalid"] == []
+    assert any("_extra_state" in n for n in df.attrs["notes"])
+
+
+def test_could_not_load_is_invalid(tmp_path):
+    lines = ["could not load the checkpoint", "Weights only load failed", *megatron_lines(LM)]
+    df = parse_megatron_log(write_log(tmp_path / "x.log", lines))
+    assert "could not load the checkpoint" in df.attrs["invalid"][0]
+
+
+def test_restart_last_wins_and_each_process_gets_its_own_correction():
+    df = parse_megatron_log(FIXTURES / "megatron_restart.log")
+    assert df["step"].tolist() == list(range(1, 11))
+    # process 2 resumed at step 5: its second line (step 6) was a mean of 5 and 6 and is undone too
+    assert [c["step"] for c in df.attrs["corrections"]] == [2, 6]
+    assert df["lm_loss"].iloc[4] == pytest.approx(LM[4] + 0.002)
+    assert df["lm_loss"].iloc[5] == pytest.approx(LM[5] + 0.003)
+    assert df.attrs["restart_steps"] == [5, 6]
+    assert any("goes back from step 6 to step 5" in n for n in df.attrs["notes"])
+
+
+def test_rank_prefixed_lines_are_read():
+    df = parse_log(FIXTURES / "megatron_multirank.log")
+    np.testing.assert_allclose(df["lm_loss"], LM, rtol=1e-6)
+
+
+def test_log_interval_recovers_the_interval_mean(tmp_path):
+    losses = [10.0 + k for k in range(12)]
+    path = write_log(tmp_path / "i4.log", megatron_lines(losses, log_interval=4))
+    df = parse_megatron_log(path)
+    assert df["step"].tolist() == [1, 4, 8, 12]
+    # the step-4 line holds mean(1..4); the true mean over 2..4 is recovered
+    assert df["lm_loss"].tolist() == pytest.approx([10.0, np.mean(losses[1:4]), np.mean(losses[4:8]), np.mean(losses[8:12])])
+
+
+def test_nan_loss_is_not_printed_and_reads_as_nan(tmp_path):
+    losses = [11.0, 10.9, 10.8, float("nan"), 10.6]
+    df = parse_megatron_log(write_log(tmp_path / "nan.log", megatron_lines(losses, core_version="0.15.0")))
+    assert math.isnan(df["lm_loss"].iloc[3]) and df["lm_loss"].iloc[4] == pytest.approx(10.6)
+    assert any("printed no lm loss at step(s) 4" in n for n in df.attrs["notes"])
+
+
+def test_inf_is_printed_and_read():
+    line = megatron_line(1, 2, consumed_samples=8, elapsed_ms=1.0, learning_rate=1e-5, global_batch_size=8,
+                         losses={"lm loss": float("inf")}, grad_norm=float("nan"))
+    assert "lm loss: INF" in line
+
+
+def test_fields_in_an_unexpected_order_still_parse(tmp_path):
+    line = megatron_line(1, 1, consumed_samples=8, elapsed_ms=5.0, learning_rate=1e-5, global_batch_size=8,
+                         losses={"lm loss": 11.0, "indexer loss": 0.5, "mtp_1 loss": 12.0}, grad_norm=2.5)
+    df = parse_megatron_log(write_log(tmp_path / "odd.log", [line]))
+    assert df[["lm_loss", "mtp_1_loss", "grad_norm"]].iloc[0].tolist() == pytest.approx([11.0, 12.0, 2.5])
+
+
+@pytest.mark.parametrize("name, text", [("empty.log", ""), ("foreign.log", None), ("truncated_megatron.log", None)])
+def test_not_a_training_log_names_the_file(tmp_path, name, text):
+    path = FIXTURES / name if text is None else write_log(tmp_path / name, [])
+    with pytest.raises(LogFormatError, match=name):
+        parse_log(path)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(LogFormatError, match="no such log file"):
+        parse_log(tmp_path / "nope.log")
+
+
+def test_cut_off_last_line_is_dropped(tmp_path):
+    lines = megatron_lines(LM[:4], core_version="0.15.0")
+    path = tmp_path / "cut.log"
+    path.write_text("\n".join(lines) + "\n" + lines[-1][:150])
+    df = parse_log(path)
+    assert df["step"].tolist() == [1, 2, 3, 4]
+    assert any("cut off" in n for n in df.attrs["notes"])
