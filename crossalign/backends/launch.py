@@ -50,8 +50,17 @@ class RunScript:
         ]
         lines += [f"export {key}={shlex.quote(str(value))}" for key, value in sorted(self.env.items())]
         lines.append(f"cd {shlex.quote(str(self.cwd))}")
-        lines.append("exec " + " \\\n    ".join(shlex.quote(str(part)) for part in self.command))
+        lines.append("exec " + " \\\n    ".join(self._command_lines()))
         return "\n".join(lines) + "\n"
+
+    def _command_lines(self) -> list[str]:
+        """The command quoted, one ``--flag values...`` group per line."""
+        groups: list[list[str]] = []
+        for part in map(str, self.command):
+            if not groups or part.startswith("--") or part.endswith(".py"):
+                groups.append([])
+            groups[-1].append(shlex.quote(part))
+        return [" ".join(group) for group in groups]
 
 
 def write_run_script(path: Path, script: RunScript) -> Path:

@@ -1,0 +1,197 @@
+"""Megatron backend: arguments from the model config, log verdicts, and a launch through the run script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from crossalign.backends.base import DatasetFiles, TrainRequest
+from crossalign.backends.launch import BackendRunError, BackendSetupError
+from crossalign.backends.megatron import (
+    LAUNCHER,
+    MegatronBackend,
+    entry_point,
+    megatron_args,
+    parse_iteration_line,
+    verify_megatron_log,
+)
+from crossalign.backends.preflight import parse_megatron_args
+from crossalign.config import load_config
+from crossalign.site import FrameworkSite, SiteConfig
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PACKAGE_INFO = Path(importlib.util.find_spec("megatron").submodule_search_locations[0]) / "core" / "package_info.py"
+SPEC_LINE = (" [2026-03-20 10:11:12.345678] iteration        3/    1000 | consumed samples: 24 | elapsed time per "
+             "iteration (ms): 3456.7 | learning rate: 1.000000E-05 | global batch size:     8 | lm loss: 1.187654E+01 | "
+             "load_balancing_loss: 1.003456E+00 | mtp_1 loss: 1.201234E+01 | loss scale: 1.0 | grad norm: 5.432 | "
+             "number of skipped iterations:   0 | number of nan iterations:   0 |")
+
+
+def args_of(name: str, **kw) -> dict[str, list[str]]:
+    kw.setdefault("load_dir", "/ckpt")
+    return parse_megatron_args(megatron_args(load_config(name), data_prefix="/data/corpus_text_document",
+                                             tokenizer=None, **kw))
+
+
+def test_dense_arguments_follow_the_spec():
+    a = args_of("qwen35_dense")
+    expect = {"--num-layers": ["8"], "--hidden-size": ["1024"], "--num-attention-heads": ["16"],
+              "--num-query-groups": ["4"], "--kv-channels": ["256"], "--ffn-hidden-size": ["3072"],
+              "--norm-epsilon": ["1e-05"], "--rotary-base": ["1000000"], "--rotary-percent": ["0.25"],
+              "--experimental-attention-variant": ["gated_delta_net"], "--linear-attention-freq": ["4"],
+              "--linear-num-value-heads": ["16"], "--mtp-num-layers": ["1"], "--mtp-loss-scaling-factor": ["1.0"],
+              "--seed": ["1234"], "--dataloader-type": ["single"], "--split": ["1,0,0"], "--lr": ["0.0003"],
+              "--lr-decay-style": ["constant"], "--lr-warmup-iters": ["10"], "--attention-dropout": ["0.0"],
+              "--hidden-dropout": ["0.0"], "--log-interval": ["1"], "--transformer-impl": ["transformer_engine"],
+              "--load": ["/ckpt"], "--vocab-size": ["248319"], "--data-path": ["/data/corpus_text_document"]}
+    for flag, value in expect.items():
+        assert a[flag] == value, flag
+    for switch in ("--group-query-attention", "--swiglu", "--untie-embeddings-and-output-weights", "--qk-layernorm",
+                   "--attention-output-gate", "--disable-bias-linear", "--finetune", "--no-load-optim",
+                   "--no-load-rng", "--bf16", "--deterministic-mode", "--no-gradient-accumulation-fusion"):
+        assert a[switch] == [], switch
+    assert "--apply-layernorm-1p" not in a
+    assert not [flag for flag in a if flag.startswith("--moe") or flag == "--num-experts"]
+
+
+def test_moe_arguments_follow_the_spec():
+    a = args_of("qwen35_moe")
+    expect = {"--num-experts": ["8"], "--moe-layer-freq": ["1"], "--moe-router-topk": ["2"],
+              "--moe-ffn-hidden-size": ["512"], "--moe-shared-expert-intermediate-size": ["512"],
+              "--moe-token-dispatcher-type": ["alltoall"], "--moe-router-score-function": ["softmax"],
+              "--moe-router-topk-scaling-factor": ["1.0"], "--moe-router-dtype": ["fp32"],
+              "--moe-router-load-balancing-type": ["aux_loss"], "--moe-aux-loss-coeff": ["0.001"]}
+    for flag, value in expect.items():
+        assert a[flag] == value, flag
+    assert a["--moe-shared-expert-gate"] == [] and a["--moe-grouped-gemm"] == []
+    assert "--moe-router-pre-softmax" not in a  # norm_topk_prob True: Megatron's top-k softmax
+
+
+def test_save_and_batch_checks(tmp_path: Path):
+    a = args_of("qwen35_moe_tiny", save_dir="/out", train_iters=7)
+    assert a["--save"] == ["/out"] and a["--save-interval"] == ["7"] and a["--train-iters"] == ["7"]
+    with pytest.raises(BackendSetupError, match="not a multiple of micro_batch_size 4 x 3 GPUs"):
+        args_of("qwen35_moe_tiny", nproc=3)
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(3000)}}, "added_tokens": []}))
+    with pytest.raises(BackendSetupError, match="3000 tokens do not fit model.padded_vocab_size 2048"):
+        megatron_args(load_config("qwen35_moe_tiny"), data_prefix="/d", tokenizer=tmp_path, load_dir=None)
+
+
+def test_iteration_line_parsing():
+    step, total, metrics = parse_iteration_line(SPEC_LINE)
+    assert (step, total) == (3, 1000)
+    assert metrics == {"step_time_ms": 3456.7, "lr": 1e-5, "lm_loss": 11.87654, "aux_loss": 1.003456,
+                       "mtp_1_loss": 12.01234, "grad_norm": 5.432}
+    assert parse_iteration_line(" validation loss at iteration 100 | lm loss value: 1.1E+01 |") is None
+
+
+def write_log(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def iteration_lines(n: int) -> list[str]:
+    return [SPEC_LINE.replace("iteration        3/    1000", f"iteration {k:8d}/{n:8d}") for k in range(1, n + 1)]
+
+
+def test_log_verdicts(tmp_path: Path):
+    loaded = "  successfully loaded checkpoint from /ckpt [ t 1/1, p 1/1 ] at iteration 0"
+    good = write_log(tmp_path / "good.log", [loaded, *iteration_lines(3)])
+    verify_megatron_log(good, iterations=3, loaded=True, exit_status=0)
+
+    extra_only = write_log(tmp_path / "extra.log", [
+        "load_return: _IncompatibleKeys(missing_keys=['decoder.layers.0.self_attention.in_proj._extra_state'], "
+        "unexpected_keys=[])", loaded, *iteration_lines(3)])
+    verify_megatron_log(extra_only, iterations=3, loaded=True, exit_status=0)
+
+    missing = write_log(tmp_path / "missing.log", [
+        "load_return: _IncompatibleKeys(missing_keys=['mtp.layers.0.transformer_layer.mlp.router.weight'], "
+        "unexpected_keys=['mtp.layers.0.mtp_model_layer.mlp.router.weight'])", loaded, *iteration_lines(3)])
+    with pytest.raises(BackendRunError, match=r"2 weights stay random.*transformer_layer.*missing.log:1: load_return"):
+        verify_megatron_log(missing, iterations=3, loaded=True, exit_status=0)
+
+    pickle = write_log(tmp_path / "pickle.log", ["building GPT model ...", "could not load the checkpoint", "boom"])
+    with pytest.raises(BackendRunError, match=r"exits 0 anyway.*pickle.log:2"):
+        verify_megatron_log(pickle, iterations=3, loaded=True, exit_status=0)
+
+    short = write_log(tmp_path / "short.log", [loaded, *iteration_lines(3)[:2]])
+    with pytest.raises(BackendRunError, match=r"iterations 3..3 of 3 were never logged \(last logged: 2\)"):
+        verify_megatron_log(short, iterations=3, loaded=True, exit_status=0)
+
+    with pytest.raises(BackendRunError, match="no 'successfully loaded checkpoint'"):
+        verify_megatron_log(write_log(tmp_path / "noload.log", iteration_lines(3)), iterations=3, loaded=True,
+                            exit_status=0)
+    with pytest.raises(BackendRunError, match="exited with status 1"):
+        verify_megatron_log(good, iterations=3, loaded=True, exit_status=1)
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    root = tmp_path / "Megatron-LM"
+    shutil.copytree(FIXTURES / "megatron_tree", root)
+    (root / "megatron" / "core").mkdir(parents=True)
+    shutil.copy(PACKAGE_INFO, root / "megatron" / "core" / "package_info.py")
+    return root
+
+
+def test_entry_point_by_version(checkout: Path):
+    assert entry_point(checkout, (0, 16, 1)) == LAUNCHER
+    assert entry_point(checkout, (0, 18, 2)) == LAUNCHER
+    assert entry_point(checkout, (0, 19, 0)) == checkout / "pretrain_gpt.py"
+    with pytest.raises(BackendSetupError, match="has no GatedDeltaNet"):
+        entry_point(checkout, (0, 15, 3))
+
+
+def request_for(tmp_path: Path, steps: list) -> TrainRequest:
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(2000)}},
+                                     "added_tokens": [{"id": 2000, "content": "<eod>"}]}))
+    config = load_config("qwen35_moe_tiny")
+    config = config.model_copy(update={"training": config.training.model_copy(update={"train_iters": 4})})
+    return TrainRequest(config=config, side="megatron", mode="align",
+                        data=DatasetFiles(prefix=tmp_path / "data" / "corpus_text_document", tokenizer=tokenizer),
+                        output_dir=tmp_path / "04-megatron-train", init_checkpoint=tmp_path / "converted",
+                        on_step=lambda step, total, metrics: steps.append((step, total, metrics["lm_loss"])))
+
+
+def site_for(checkout: Path, **env: str) -> SiteConfig:
+    return SiteConfig(megatron=FrameworkSite(path=checkout, python=sys.executable, nproc_per_node=1, env=env))
+
+
+@pytest.mark.timeout(120)
+def test_train_through_run_script_and_launcher(tmp_path: Path, checkout: Path):
+    steps: list = []
+    request = request_for(tmp_path, steps)
+    result = MegatronBackend(site=site_for(checkout)).train(request)
+    assert result.iterations == 4 and result.log_path == request.log_path and result.checkpoint_dir is None
+    assert [s[0] for s in steps] == [1, 2, 3, 4] and steps[0][1] == 4 and steps[0][2] == pytest.approx(7.59)
+    log = request.log_path.read_text()
+    assert "builder wrapped by launcher: True" in log  # 0.16.1: the MTP+GDN launcher ran pretrain_gpt.py
+    script = (request.output_dir / "run_megatron.sh").read_text()
+    for needle in ("export NCCL_ALGO=Ring", "export CUBLAS_WORKSPACE_CONFIG=:4096:8", "torch.distributed.run",
+                   "--nproc_per_node 1", str(LAUNCHER), "--load", str(request.init_checkpoint), "--seed 1234"):
+        assert needle in script, needle
+    args = (request.output_dir / "megatron_args.txt").read_text().split()
+    assert args[:2] == ["--transformer-impl", "transformer_engine"]
+
+
+@pytest.mark.timeout(120)
+def test_failed_unpickle_with_exit_zero_is_an_error(tmp_path: Path, checkout: Path):
+    backend = MegatronBackend(site=site_for(checkout, FAKE_MEGATRON="bad-pickle"))
+    with pytest.raises(BackendRunError, match="could not unpickle.*train.log:2"):
+        backend.train(request_for(tmp_path, []))
+
+
+def test_setup_errors(tmp_path: Path, checkout: Path):
+    with pytest.raises(BackendSetupError, match="megatron.path"):
+        MegatronBackend(site=SiteConfig()).train(request_for(tmp_path, []))
+    info = checkout / "megatron" / "core" / "package_info.py"
+    info.write_text(info.read_text().replace("MINOR = 16", "MINOR = 17"))
+    with pytest.raises(BackendSetupError, match="megatron-core 0.17.1 but training.megatron_core_version is 0.16.1"):
+        MegatronBackend(site=site_for(checkout)).train(request_for(tmp_path, []))
