@@ -138,11 +138,15 @@ def series_metrics(name: str, required: bool, merged: pd.DataFrame, logged: dict
 
 
 def lr_check(merged: pd.DataFrame) -> LrCheck:
-    """Compare the applied lr where both logs tell it (the first step's lr is unknown to offset-1 logs)."""
+    """Compare the applied lr at the steps both runs trained, where both logs tell it.
+
+    Logs that print the next step's lr never tell the lr of their first step.
+    """
     if "lr_applied_npu" not in merged or "lr_applied_gpu" not in merged:
         return LrCheck("not_logged")
     a, b = merged["lr_applied_npu"].to_numpy(), merged["lr_applied_gpu"].to_numpy()
-    both = ~np.isnan(a) & ~np.isnan(b)
+    trained = merged["logged_npu"].to_numpy() & merged["logged_gpu"].to_numpy()
+    both = ~np.isnan(a) & ~np.isnan(b) & trained
     if merged["lr_applied_npu"].isna().all() or merged["lr_applied_gpu"].isna().all():
         return LrCheck("not_logged")
     if not both.any():
