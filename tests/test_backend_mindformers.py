@@ -1,0 +1,164 @@
+"""MindFormers backend: the pynative YAML from the model config, log verdicts, launch through the run script."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from crossalign.backends.base import DatasetFiles, TrainRequest
+from crossalign.backends.launch import BackendRunError, BackendSetupError
+from crossalign.backends.mindformers import (
+    MindFormersBackend,
+    mindformers_yaml,
+    parse_step_line,
+    verify_mindformers_log,
+)
+from crossalign.config import load_config
+from crossalign.site import FrameworkSite, SiteConfig
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SPEC_LINE = ("2026-11-29 15:28:32,602 - mindformers/out/log[mindformers/pynative/callback/loss_callback.py:337] - INFO - "
+             "{ step:[    2/ 1000], consumed_samples: 16, global_batch_size: 8, loss:  11.912346, per_step_time:   1530ms, "
+             "load_balancing_loss:   1.012300, mtp_1_loss:  12.360000, lr: 9.900000e-05, grad_norm:   3.123457, "
+             "throughput:   0.65T }")
+
+
+def test_align_yaml_follows_the_spec():
+    config = load_config("qwen35_moe")
+    y = mindformers_yaml(config, mode="align", data_prefix="/data/corpus_text_document", load_dir="/ckpt/bf16")
+    loader = y["train_dataset"]["dataloader"]
+    assert loader["type"] == "BlendedMegatronDatasetDataLoader" and loader["datasets_type"] == "GPTDataset"
+    assert loader["sizes"] == [100 * 8, 0, 0] and loader["shuffle"] is False
+    assert loader["config"]["seed"] == 1234 and loader["config"]["split"] == "1,0,0"
+    assert loader["config"]["seq_length"] == 2048 and loader["config"]["data_path"] == ["/data/corpus_text_document"]
+    assert y["training"] == {"steps": 100, "local_batch_size": 1, "global_batch_size": 8, "max_norm": 1.0,
+                             "seed": 1234, "deterministic": True}
+    assert y["optimizer"] == {"type": "AdamW", "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+    assert y["lr_scheduler"] == {"type": "ConstantWarmUpLR", "learning_rate": 3e-4, "warmup_steps": 10,
+                                 "warmup_lr_init": 0.0}
+    assert y["checkpoint"]["load_path"] == "/ckpt/bf16" and y["checkpoint"]["no_load_optim"] is True
+    assert y["checkpoint"]["enable_save"] is False
+    assert y["recompute"] == {"mode": "None"}
+    model = y["model"]
+    assert model["norm_topk_prob"] is True and model["use_shared_expert_gating"] is True
+    assert model["mtp_num_layers"] == 1 and model["mtp_loss_scaling_factor"] == 1.0
+    assert model["num_experts"] == 8 and model["num_experts_per_tok"] == 2 and model["moe_intermediate_size"] == 512
+    assert model["partial_rotary_factor"] == 0.25 and model["rope_theta"] == 1e6 and model["rms_norm_eps"] == 1e-5
+    assert model["compute_dtype"] == "bfloat16" and model["vocab_size"] == 248320
+
+
+def test_base_yaml_saves_and_dense_has_no_moe_keys():
+    y = mindformers_yaml(load_config("qwen35_dense_tiny"), mode="base", data_prefix="/d/p", save_dir="/out/ckpt",
+                         model_overrides={"model_type": "site_qwen35"})
+    assert y["training"]["steps"] == 20 and y["train_dataset"]["dataloader"]["sizes"] == [20 * 4, 0, 0]
+    assert y["checkpoint"]["enable_save"] is True and y["checkpoint"]["save_path"] == "/out/ckpt"
+    assert y["checkpoint"]["load_path"] == ""
+    assert "num_experts" not in y["model"] and y["model"]["model_type"] == "site_qwen35"
+    with pytest.raises(BackendSetupError, match="needs load_dir"):
+        mindformers_yaml(load_config("qwen35_dense_tiny"), mode="align", data_prefix="/d/p")
+    with pytest.raises(BackendSetupError, match="micro_batch_size 4 x 3 cards"):
+        mindformers_yaml(load_config("qwen35_dense_tiny"), mode="base", data_prefix="/d/p", nproc=3)
+
+
+def test_step_line_parsing():
+    step, total, metrics = parse_step_line(SPEC_LINE)
+    assert (step, total) == (2, 1000)
+    assert metrics == {"lm_loss": 11.912346, "step_time_ms": 1530.0, "aux_loss": 1.0123, "mtp_1_loss": 12.36,
+                       "lr": 9.9e-05, "grad_norm": 3.123457}
+
+
+def step_lines(n: int, mtp: bool = True) -> list[str]:
+    line = SPEC_LINE if mtp else SPEC_LINE.replace("mtp_1_loss:  12.360000, ", "")
+    return [line.replace("step:[    2/ 1000]", f"step:[{k:5d}/{n:5d}]") for k in range(1, n + 1)]
+
+
+def test_log_verdicts(tmp_path: Path):
+    finished = "... - INFO - ..........Loading Checkpoint Finished.........."
+    good = tmp_path / "good.log"
+    good.write_text("\n".join([finished, *step_lines(3)]) + "\n")
+    verify_mindformers_log(good, steps=3, loaded=True, exit_status=0, mtp=True)
+
+    partial = tmp_path / "partial.log"
+    partial.write_text("\n".join(["x - INFO - Network parameters not loaded:",
+                                  "x - INFO -   - decoder.layers.0.mlp.router.weight", finished, *step_lines(3)]) + "\n")
+    with pytest.raises(BackendRunError, match=r"incompletely: .*partial.log:1: .*decoder.layers.0.mlp.router.weight"):
+        verify_mindformers_log(partial, steps=3, loaded=True, exit_status=0, mtp=True)
+
+    short = tmp_path / "short.log"
+    short.write_text("\n".join([finished, *step_lines(3)[:1]]) + "\n")
+    with pytest.raises(BackendRunError, match=r"steps 2..3 of 3 were never logged"):
+        verify_mindformers_log(short, steps=3, loaded=True, exit_status=0, mtp=True)
+
+    no_mtp = tmp_path / "nomtp.log"
+    no_mtp.write_text("\n".join([finished, *step_lines(3, mtp=False)]) + "\n")
+    with pytest.raises(BackendRunError, match=r"nomtp.log:2: .*no mtp_1_loss.*get-mtp-loss patch"):
+        verify_mindformers_log(no_mtp, steps=3, loaded=True, exit_status=0, mtp=True)
+
+    unloaded = tmp_path / "unloaded.log"
+    unloaded.write_text("\n".join(step_lines(3)) + "\n")
+    with pytest.raises(BackendRunError, match="no 'Loading Checkpoint Finished'"):
+        verify_mindformers_log(unloaded, steps=3, loaded=True, exit_status=0, mtp=True)
+    with pytest.raises(BackendRunError, match="exited with status 2"):
+        verify_mindformers_log(good, steps=3, loaded=True, exit_status=2, mtp=True)
+
+
+def request_for(tmp_path: Path, mode: str, steps: list) -> TrainRequest:
+    config = load_config("qwen35_dense_tiny")
+    return TrainRequest(config=config, side="mindformers", mode=mode,  # type: ignore[arg-type]
+                        data=DatasetFiles(prefix=tmp_path / "data" / "corpus_text_document",
+                                          tokenizer=tmp_path / "tokenizer.json"),
+                        output_dir=tmp_path / f"{mode}-train",
+                        init_checkpoint=tmp_path / "bf16" if mode == "align" else None,
+                        on_step=lambda step, total, metrics: steps.append((step, total, metrics.get("mtp_1_loss"))))
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    root = tmp_path / "mindformers-checkout"
+    shutil.copytree(FIXTURES / "mindformers_tree", root)
+    return root
+
+
+def site_for(checkout: Path, **env: str) -> SiteConfig:
+    return SiteConfig(mindformers=FrameworkSite(path=checkout, python=sys.executable, nproc_per_node=1, env=env))
+
+
+@pytest.mark.timeout(60)
+def test_base_and_align_runs_through_the_run_script(tmp_path: Path, checkout: Path):
+    steps: list = []
+    base = request_for(tmp_path, "base", steps)
+    result = MindFormersBackend(site=site_for(checkout)).train(base)
+    assert result.iterations == 20 and [s[0] for s in steps] == list(range(1, 21)) and steps[0][2] == pytest.approx(7.69)
+    assert result.checkpoint_dir == base.checkpoint_dir
+    assert (base.checkpoint_dir / "latest_checkpointed_iteration.txt").read_text() == "20"
+    written = yaml.safe_load((base.output_dir / "base_train.yaml").read_text())
+    assert written["checkpoint"]["save_path"] == str(base.checkpoint_dir)
+    script = (base.output_dir / "run_mindformers.sh").read_text()
+    assert "run_mindformer.py \\\n    --mode 1 \\\n    --config" in script and "export HCCL_DETERMINISTIC=true" in script
+    assert f"export LOG_MF_PATH={base.output_dir / 'mf_log'}" in script
+
+    align = request_for(tmp_path, "align", [])
+    result = MindFormersBackend(site=site_for(checkout)).train(align)
+    assert result.iterations == 50 and result.checkpoint_dir is None
+    written = yaml.safe_load((align.output_dir / "align_train.yaml").read_text())
+    assert written["checkpoint"]["load_path"] == str(tmp_path / "bf16")
+
+
+@pytest.mark.timeout(60)
+def test_missing_mtp_loss_fails_the_run(tmp_path: Path, checkout: Path):
+    backend = MindFormersBackend(site=site_for(checkout, FAKE_MINDFORMERS="no-mtp"))
+    with pytest.raises(BackendRunError, match="no mtp_1_loss"):
+        backend.train(request_for(tmp_path, "align", []))
+
+
+def test_several_cards_use_msrun(tmp_path: Path, checkout: Path):
+    site = SiteConfig(mindformers=FrameworkSite(path=checkout, python="python3", nproc_per_node=4))
+    request = request_for(tmp_path, "align", [])
+    script = MindFormersBackend(site=site).run_script(request, tmp_path / "x.yaml").render()
+    for needle in ("-m mindspore.parallel.cluster.run", "--worker_num=4", "--local_worker_num=4", "--join=True",
+                   "--tail_worker_log=3", f"--log_dir={request.output_dir / 'msrun_log'}"):
+        assert needle in script, needle
