@@ -20,6 +20,10 @@ megatron:
 ssh_hosts:
   gpu01: {hostname: 10.0.0.12, username: train, key_file: ~/.ssh/id_ed25519}
 ```
+
+A framework that names an ``ssh_host`` runs its training script there (``bash <step>/run_*.sh``
+in ``workdir``, with the framework's own ``python``), so that host must mount the store at the
+same path; the Prefect worker stays on a machine that can run Python 3.11.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SITE_ENV = "CROSSALIGN_SITE"
 DEFAULT_SITE_FILE = "crossalign.site.yaml"
@@ -49,6 +53,7 @@ class SshHost(_Strict):
     username: str | None = None
     key_file: Path | None = None
     known_hosts: Path | None = Field(default=None, description="default: ~/.ssh/known_hosts; unknown keys are refused")
+    connect_timeout_s: float = Field(default=15.0, gt=0)
 
 
 class FrameworkSite(_Strict):
@@ -71,6 +76,23 @@ class SiteConfig(_Strict):
     megatron: FrameworkSite = Field(default_factory=FrameworkSite)
     ssh_hosts: dict[str, SshHost] = Field(default_factory=dict)
     prefect_api_url: str | None = None
+
+    @model_validator(mode="after")
+    def _check_backends(self) -> "SiteConfig":
+        allowed = {"npu": ("local", "mindformers"), "gpu": ("local", "megatron")}
+        for pool, kind in self.backends.items():
+            if kind not in allowed[pool]:
+                raise ValueError(f"backends.{pool}: {kind!r} cannot train on the {pool} pool "
+                                 f"(choose {' or '.join(allowed[pool])})")
+        return self
+
+    def framework(self, pool: str) -> FrameworkSite | None:
+        """The real framework a pool's training steps use, or None where they run embedded (or the pool trains nothing)."""
+        if pool == "npu" and self.backends.get("npu") == "mindformers":
+            return self.mindformers
+        if pool == "gpu" and self.backends.get("gpu") == "megatron":
+            return self.megatron
+        return None
 
     def ssh_host(self, name: str) -> SshHost:
         try:
@@ -105,5 +127,8 @@ def load_site(path: str | Path | None = None) -> SiteConfig:
         raise SiteError(f"{path}: invalid site config: {problems}") from None
     for framework in (site.mindformers, site.megatron):
         if framework.ssh_host is not None:
-            site.ssh_host(framework.ssh_host)
+            try:
+                site.ssh_host(framework.ssh_host)
+            except SiteError as exc:
+                raise SiteError(f"{path}: {exc}") from None
     return site

@@ -1,9 +1,283 @@
-"""CLI commands of this area (registered on the main app)."""
+"""Running the DAG: ``run``, ``rerun``, ``runs``, ``status``, ``agent start``, ``automations install``."""
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
 import typer
+
+from crossalign.cli.common import console, err_console, user_errors
+
+STATE_STYLES = {"done": "green", "skipped": "green", "stale": "yellow", "running": "cyan", "started": "cyan",
+                "interrupted": "red", "failed": "red", "pending": "dim"}
+EXIT_PASS, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+
+
+def _store_root(store: Optional[Path]) -> Path:
+    from crossalign.site import load_site
+
+    return Path(store) if store is not None else load_site().store
+
+
+def _quiet_prefect(verbose: bool) -> None:
+    """Settings read when Prefect is first imported: a patient ephemeral server, no telemetry, quiet console."""
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _size(num: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num < 1024:
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    return f"{num:.1f} TB"
+
+
+def _metrics_text(metrics: dict[str, Any]) -> str:
+    shown = [(k, v) for k, v in metrics.items() if k in ("lm_loss", "mtp_1_loss", "aux_loss", "loss", "grad_norm")]
+    return "  ".join(f"{k} {v:.4f}" for k, v in shown if isinstance(v, (int, float)))
+
+
+class RunDisplay:
+    """Per-step state, host, duration and training progress; every iteration's metrics as a line."""
+
+    def __init__(self, run_id: str):
+        from crossalign.store import STEPS
+
+        self.run_id = run_id
+        self.rows = {s.name: {"spec": s, "state": "pending", "host": "", "seconds": None, "done": 0, "total": 0,
+                              "metrics": {}, "started": None} for s in STEPS}
+        self.live = None
+
+    def handle(self, event) -> None:
+        row = self.rows.get(event.step)
+        if row is None:
+            return
+        if event.kind == "started":
+            row.update(state="running", started=time.monotonic(), done=0, total=0)
+            self._say(f"[cyan]{event.step}[/] started")
+        elif event.kind == "skipped":
+            row.update(state="skipped", host=event.host, seconds=event.seconds)
+            self._say(f"[green]{event.step}[/] already done, skipped")
+        elif event.kind == "progress":
+            row.update(done=event.done, total=event.total, metrics=event.metrics)
+            self._say(f"  {event.step} {event.done:>4}/{event.total}  {_metrics_text(event.metrics)}")
+        elif event.kind == "done":
+            row.update(state="done", host=event.host, seconds=event.seconds)
+            self._say(f"[green]{event.step}[/] done in {_duration(event.seconds)} on {event.host}")
+        elif event.kind == "failed":
+            row.update(state="failed")
+            self._say(f"[red]{event.step} failed:[/] {event.message}")
+        if self.live is not None:
+            self.live.update(self.render())
+
+    def _say(self, text: str) -> None:
+        console.print(text, highlight=False)
+
+    def render(self):
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+
+        table = Table(title=f"run {self.run_id}", title_justify="left")
+        for column in ("#", "step", "pool", "state", "host", "time", "progress"):
+            table.add_column(column)
+        for row in self.rows.values():
+            spec, state = row["spec"], row["state"]
+            seconds = row["seconds"]
+            if state == "running" and row["started"] is not None:
+                seconds = time.monotonic() - row["started"]
+            progress = ""
+            if row["total"]:
+                progress = ProgressBar(total=row["total"], completed=row["done"], width=24)
+            table.add_row(str(spec.index), spec.name, spec.pool,
+                          f"[{STATE_STYLES.get(state, '')}]{state}[/]", row["host"], _duration(seconds), progress)
+        return table
+
+    def __enter__(self) -> "RunDisplay":
+        if console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self.render(), console=console, refresh_per_second=4, get_renderable=self.render)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+            self.live = None
+
+
+def _status_table(run):
+    from rich.table import Table
+
+    table = Table(title=f"run {run.run_id}  ({run.path})", title_justify="left")
+    for column in ("#", "step", "pool", "state", "host", "duration", "outputs"):
+        table.add_column(column)
+    for state in run.states():
+        outputs = (state.manifest or {}).get("outputs", [])
+        shown = f"{len(outputs)} files, {_size(sum(o['size'] for o in outputs))}" if outputs else ""
+        if state.status == "failed":
+            shown = (state.attempt or {}).get("error", "")[:80]
+        table.add_row(str(state.spec.index), state.spec.name, state.spec.pool,
+                      f"[{STATE_STYLES.get(state.status, '')}]{state.status}[/]", state.host,
+                      _duration(state.seconds), shown)
+    return table
+
+
+def _verdict(run) -> tuple[str | None, Path | None]:
+    """The verdict of a run's compare step and its report file, if the step is done."""
+    from crossalign.store import read_json
+    from crossalign.tasks.compare import SUMMARY
+
+    if not run.is_done("compare"):
+        return None, None
+    folder = run.step_dir("compare")
+    summary = read_json(folder / SUMMARY)
+    reports = sorted(folder.rglob("report.html")) or sorted(folder.rglob("report.md")) or [folder / SUMMARY]
+    return summary.get("verdict"), reports[0]
+
+
+def _finish(run_id: str, root: Path, state) -> int:
+    """Print the outcome of a flow run and choose the exit code: 0 pass, 1 fail, 2 invalid or bad input."""
+    from crossalign.config import ConfigError
+    from crossalign.store import RunStore, StoreError
+    from crossalign.tasks.errors import PreflightFailed, VerdictFailed
+
+    store = RunStore(root)
+    run = store.run(run_id) if store.exists(run_id) else None
+    if run is not None:
+        console.print(_status_table(run))
+    error = None if state.is_completed() else state.result(raise_on_failure=False)
+    verdict, report = _verdict(run) if run is not None else (None, None)
+    if verdict is not None:
+        style = "green" if verdict == "pass" else "red"
+        console.print(f"verdict: [bold {style}]{verdict}[/]    report: {report}", highlight=False)
+        return {"pass": EXIT_PASS, "fail": EXIT_FAIL}.get(verdict, EXIT_INVALID)
+    if isinstance(error, VerdictFailed):
+        return EXIT_FAIL if error.verdict == "fail" else EXIT_INVALID
+    message = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else (state.message or "")
+    err_console.print(f"[bold red]run {run_id} failed:[/] {message}", highlight=False, soft_wrap=True)
+    if isinstance(error, (ConfigError, StoreError, PreflightFailed)):
+        return EXIT_INVALID
+    if run is not None:
+        err_console.print(f"resume with: crossalign run {run.info['parameters']['config']} --run-id {run_id} "
+                          f"--store {root}", highlight=False, soft_wrap=True)
+    return EXIT_FAIL
+
+
+def _run_flow(*, config: str | None, run_id: str, root: Path, overrides: list[str], rerun: list[str],
+              distributed: bool, retries: int, retry_delay: float, verbose: bool) -> int:
+    _quiet_prefect(verbose)
+    from crossalign.flows.alignment import alignment
+    from crossalign.flows.events import listening
+
+    mode = "distributed" if distributed else "embedded"
+    console.print(f"run [bold]{run_id}[/] ({mode}) in {root}", highlight=False)
+    with RunDisplay(run_id) as display, listening(display.handle):
+        state = alignment(config=config, run_id=run_id, overrides=overrides, store=str(root), rerun=rerun,
+                          mode=mode, retries=retries, retry_delay_s=retry_delay, return_state=True)
+    return _finish(run_id, root, state)
 
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to app."""
+
+    @app.command("run")
+    def run_command(
+        config: str = typer.Argument(..., help="a shipped config name (qwen35_dense_tiny) or a YAML file"),
+        store: Optional[Path] = typer.Option(None, "--store", help="the run store (default: the site's store, ./runs)"),
+        run_id: Optional[str] = typer.Option(None, "--run-id", help="resume this run (finished steps are skipped)"),
+        overrides: list[str] = typer.Option([], "--set", help="override a config value: training.train_iters=10"),
+        distributed: bool = typer.Option(False, "--distributed",
+                                         help="dispatch the steps to the npu/cpu/gpu pools' workers"),
+        retries: int = typer.Option(2, help="attempts after an infrastructure failure (never after a bad input)"),
+        retry_delay: float = typer.Option(10.0, help="seconds before the first retry (tripled each time)"),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's own log lines"),
+    ) -> None:
+        """Run the six-step alignment; prints the verdict. Exit 0 pass, 1 fail, 2 invalid or bad input."""
+        from crossalign.config import ConfigError
+        from crossalign.site import SiteError
+        from crossalign.store import StoreError, check_run_id
+        from crossalign.tasks.prepare import default_run_id, resolve_config
+
+        with user_errors(ConfigError, SiteError, StoreError):
+            resolved, _ = resolve_config(config, overrides)
+            root = _store_root(store)
+            run_id = check_run_id(run_id or default_run_id(resolved))
+        raise typer.Exit(_run_flow(config=config, run_id=run_id, root=root, overrides=overrides, rerun=[],
+                                   distributed=distributed, retries=retries, retry_delay=retry_delay,
+                                   verbose=verbose))
+
+    @app.command("rerun")
+    def rerun_command(
+        run_id: str = typer.Argument(..., help="the run to redo part of"),
+        step: str = typer.Option(..., "--step", help="the step to redo; everything downstream is redone too"),
+        store: Optional[Path] = typer.Option(None, "--store", help="the run store (default: the site's store)"),
+        distributed: bool = typer.Option(False, "--distributed", help="dispatch the steps to the pools' workers"),
+        retries: int = typer.Option(2, help="attempts after an infrastructure failure"),
+        retry_delay: float = typer.Option(10.0, help="seconds before the first retry"),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's own log lines"),
+    ) -> None:
+        """Invalidate STEP and everything downstream of it, then run the flow again (finished upstream steps are skipped)."""
+        from crossalign.site import SiteError
+        from crossalign.store import RunStore, StoreError, downstream
+
+        with user_errors(SiteError, StoreError):
+            root = _store_root(store)
+            RunStore(root).run(run_id)
+            affected = downstream(step)
+        console.print(f"redoing {', '.join(affected)}", highlight=False)
+        raise typer.Exit(_run_flow(config=None, run_id=run_id, root=root, overrides=[], rerun=[step],
+                                   distributed=distributed, retries=retries, retry_delay=retry_delay,
+                                   verbose=verbose))
+
+    @app.command("runs")
+    def runs_command(store: Optional[Path] = typer.Option(None, "--store", help="the run store")) -> None:
+        """List the runs in the store."""
+        from rich.table import Table
+
+        from crossalign.site import SiteError
+        from crossalign.store import RunStore, StoreError
+
+        with user_errors(SiteError, StoreError):
+            root = _store_root(store)
+            runs = RunStore(root).runs()
+            table = Table(title=f"runs in {RunStore(root).root}", title_justify="left")
+            for column in ("run", "model", "created", "steps done", "state", "verdict"):
+                table.add_column(column)
+            for run in runs:
+                info = run.info
+                states = run.states()
+                done = sum(s.status == "done" for s in states)
+                worst = next((s.status for s in states if s.status in ("failed", "interrupted", "running")), None)
+                verdict, _ = _verdict(run)
+                table.add_row(run.run_id, info["config"]["model"]["name"], info.get("created", ""),
+                              f"{done}/{len(states)}",
+                              f"[{STATE_STYLES.get(worst or '', '')}]{worst or ('done' if done == len(states) else 'partial')}[/]",
+                              verdict or "")
+        console.print(table if runs else f"no runs in {RunStore(root).root}")
+
+    @app.command("status")
+    def status_command(run_id: str = typer.Argument(..., help="the run id"),
+                       store: Optional[Path] = typer.Option(None, "--store", help="the run store")) -> None:
+        """Per-step state, host, duration and outputs of one run."""
+        from crossalign.site import SiteError
+        from crossalign.store import RunStore, StoreError
+
+        with user_errors(SiteError, StoreError):
+            run = RunStore(_store_root(store)).run(run_id)
+            console.print(_status_table(run))
+            verdict, report = _verdict(run)
+        if verdict is not None:
+            console.print(f"verdict: {verdict}    report: {report}", highlight=False)

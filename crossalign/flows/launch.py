@@ -1,0 +1,136 @@
+"""The three ways a step gets carried out, all ending with the step's manifest in the run store.
+
+- ``execute_here``: in the process of the flow (a worker of the step's pool);
+- ``execute_subprocess``: embedded mode, ``python -m crossalign.tasks`` as a local process (the
+  two frameworks never share a process, and steps 4 and 5 run side by side);
+- ``execute_deployment``: distributed mode, a flow run of the step's deployment on its pool.
+
+Each raises ``StepFailed`` for failures that would repeat and ``InfrastructureError`` for those
+that another attempt may fix, which is what the retry policy looks at.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from typing import Any
+
+from crossalign.flows.reporting import StepReporter
+from crossalign.site import SiteConfig
+from crossalign.store import Run, step_spec
+from crossalign.tasks import run_step
+from crossalign.tasks.command import step_argv
+from crossalign.tasks.errors import InfrastructureError, StepFailed, exit_code_error
+
+LATE_WARNING_S = 60.0
+
+
+def step_log_path(run: Run, step: str):
+    return run.path / "logs" / f"{step}.log"
+
+
+def _failure_detail(run: Run, step: str) -> str:
+    attempt = run.attempt(step) or {}
+    return attempt.get("error", "") if attempt.get("status") == "failed" else ""
+
+
+def classify(step: str, exc: BaseException) -> Exception:
+    """The orchestration error for an exception raised while carrying out ``step``."""
+    if isinstance(exc, (StepFailed, InfrastructureError)):
+        return exc
+    if isinstance(exc, (OSError, ConnectionError, TimeoutError)):
+        return InfrastructureError(step, f"{type(exc).__name__}: {exc}")
+    return StepFailed(step, f"{type(exc).__name__}: {exc}")
+
+
+def execute_here(run: Run, step: str, site: SiteConfig, reporter: StepReporter) -> dict[str, Any]:
+    """Carry out ``step`` in this process (a real backend may still run its framework over SSH)."""
+    try:
+        return run_step(run, step, site, on_step=reporter.on_step)
+    except Exception as exc:
+        error = classify(step, exc)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def execute_subprocess(run: Run, step: str, reporter: StepReporter, *, embedded: bool = True,
+                       site_file: str | None = None) -> dict[str, Any]:
+    """Carry out ``step`` as a local ``python -m crossalign.tasks`` process, streaming its output."""
+    from crossalign.agents.runner import run_streaming
+
+    argv = step_argv(str(run.store.root), run.run_id, step, embedded=embedded, site_file=site_file)
+    reporter.logger.info(f"{step}: {shlex.join(argv)}")
+    code = run_streaming(argv, on_line=reporter.on_line, log_path=step_log_path(run, step))
+    if code != 0:
+        raise exit_code_error(step, code, _failure_detail(run, step))
+    manifest = run.manifest(step)
+    if manifest is None:
+        raise StepFailed(step, "the step process exited 0 but committed no manifest")
+    return manifest
+
+
+def deployment_name(step: str) -> str:
+    """``<flow>/<deployment>`` of a step's deployment in prefect.yaml: the deployment is named after its pool."""
+    spec = step_spec(step)
+    return f"{spec.name}/{spec.pool}"
+
+
+def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_interval: float = 2.0,
+                       timeout_s: float | None = None) -> dict[str, Any]:
+    """Carry out ``step`` as a flow run of its deployment and wait for it.
+
+    Attempt n of a step uses the idempotency key ``<run_id>:<step>`` (n = 1) or ``<run_id>:<step>:<n>``.
+    Walking the keys in order re-attaches to an attempt that is still going (a retried parent
+    never duplicates a child) and starts the next attempt after one that ended without
+    completing the step.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    name = deployment_name(step)
+    parameters = {"run_id": run.run_id, "store": str(run.store.root)}
+    attempt = 1
+    with get_client(sync_client=True) as client:
+        while True:
+            key = f"{run.run_id}:{step}" if attempt == 1 else f"{run.run_id}:{step}:{attempt}"
+            child = run_deployment(name, parameters=parameters, idempotency_key=key, timeout=0,
+                                   flow_run_name=f"{run.run_id}-{step}" + (f"-{attempt}" if attempt > 1 else ""))
+            if child.state is not None and child.state.is_final():
+                if child.state.is_completed() and run.is_done(step):
+                    reporter.logger.info(f"{step}: attempt {attempt} ({child.name}) already completed it")
+                    return run.manifest(step)
+                attempt += 1  # an earlier attempt that failed, or whose output was invalidated since
+                continue
+            reporter.logger.info(f"{step}: waiting for flow run {child.name} of {name} (key {key})")
+            state = _wait_final(client, child, step, reporter, poll_interval, timeout_s)
+            if state.is_completed():
+                if not run.is_done(step):
+                    raise StepFailed(step, f"flow run {child.name} completed but the step's manifest is "
+                                           f"missing or stale in {run.path}")
+                return run.manifest(step)
+            detail = _failure_detail(run, step) or (state.message or "")
+            where = f"flow run {child.name} of {name} ended {state.name}"
+            attempt_record = run.attempt(step) or {}
+            if state.is_crashed() or attempt_record.get("retryable"):
+                raise InfrastructureError(step, f"{where}: {detail}")
+            raise StepFailed(step, f"{where}: {detail}")
+
+
+def _wait_final(client, child, step: str, reporter: StepReporter, poll_interval: float, timeout_s: float | None):
+    started = time.monotonic()
+    warned_late = False
+    while True:
+        flow_run = client.read_flow_run(child.id)
+        state = flow_run.state
+        if state is not None and state.is_final():
+            return state
+        waited = time.monotonic() - started
+        if timeout_s is not None and waited > timeout_s:
+            raise InfrastructureError(step, f"flow run {child.name} still {state.name if state else '?'} "
+                                            f"after {timeout_s:.0f} s")
+        if not warned_late and state is not None and state.is_scheduled() and waited > LATE_WARNING_S:
+            warned_late = True
+            reporter.logger.warning(f"{step}: flow run {child.name} has waited {waited:.0f} s for a worker: "
+                                    f"is `crossalign agent start --pool {step_spec(step).pool}` running?")
+        time.sleep(poll_interval)

@@ -1,0 +1,32 @@
+"""What a finished run shows in Prefect: the verdict and report of step 6, and a table of the steps."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from crossalign.store import Run
+from crossalign.tasks.compare import SUMMARY
+
+
+def publish_compare(run: Run, logger) -> dict[str, Any]:
+    """Read the verdict of step 6 and publish its report as Prefect artifacts."""
+    out_dir = run.step_dir("compare")
+    summary = json.loads((out_dir / SUMMARY).read_text())
+    try:
+        from crossalign.report.artifacts import publish_artifacts
+
+        publish_artifacts(out_dir, summary)
+    except Exception as exc:  # a report that cannot be shown in the UI must not hide the verdict
+        logger.warning(f"compare: artifacts not published: {exc}")
+    return summary
+
+
+def steps_table(run: Run) -> list[dict[str, Any]]:
+    rows = []
+    for state in run.states():
+        outputs = (state.manifest or {}).get("outputs", [])
+        rows.append({"step": state.spec.dirname, "pool": state.spec.pool, "state": state.status,
+                     "host": state.host, "seconds": state.seconds,
+                     "outputs": len(outputs), "bytes": sum(o["size"] for o in outputs)})
+    return rows

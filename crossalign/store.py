@@ -1,0 +1,459 @@
+"""The run store: every run's config, every step's outputs and the proof that they are complete.
+
+Layout on storage that every agent mounts (a local folder by default)::
+
+    <store>/<run_id>/run.json              config snapshot, parameters, dataset, code version
+    <store>/<run_id>/01-base-train/        one folder per step, present only when complete:
+        manifest.json                      status, host, command, timings, input digests,
+        ...                                every output with its size and sha256
+    <store>/<run_id>/.attempts/<step>.json the running or failed attempt of a step (for `status`)
+    <store>/datasets/<vocab>/              the shipped corpus, prepared once for all runs
+
+A step writes into a temporary sibling (``.01-base-train.partial-<host>-<pid>-<nonce>``) and
+renames it into place only after its manifest is written, so a killed step leaves nothing that
+looks complete. A step is done iff its manifest exists and its input digests still match: the
+digest of an upstream step is the sha256 of that step's manifest (which lists the sha256 of every
+output), never of the multi-GB files themselves. Re-running an upstream step therefore makes
+everything downstream stale without touching it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+from crossalign.backends.base import DatasetFiles
+from crossalign.config import AlignmentConfig
+
+MANIFEST = "manifest.json"
+RUN_INFO = "run.json"
+ATTEMPTS = ".attempts"
+FORMAT_VERSION = 1
+
+
+class StoreError(ValueError):
+    """A run or step that cannot be used as asked (missing run, unknown step, config clash)."""
+
+
+class StepNotReady(StoreError):
+    """A step was started before the steps it reads from were complete."""
+
+
+class StaleInputs(StoreError):
+    """An input of a step changed while the step ran; its outputs would describe old inputs."""
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One node of the DAG: its name, position, the pool that runs it and what it reads."""
+
+    name: str
+    index: int
+    pool: Literal["npu", "cpu", "gpu"]
+    inputs: tuple[str, ...]
+    uses_dataset: bool = False
+    title: str = ""
+
+    @property
+    def dirname(self) -> str:
+        return f"{self.index:02d}-{self.name}"
+
+
+STEPS: tuple[StepSpec, ...] = (
+    StepSpec("base-train", 1, "npu", (), uses_dataset=True, title="base train (MindFormers)"),
+    StepSpec("cast-bf16", 2, "cpu", ("base-train",), title="cast to bf16"),
+    StepSpec("convert", 3, "cpu", ("cast-bf16",), title="convert MindSpore -> Megatron"),
+    StepSpec("megatron-train", 4, "gpu", ("convert",), uses_dataset=True, title="Megatron train"),
+    StepSpec("pynative-train", 5, "npu", ("cast-bf16",), uses_dataset=True, title="MindFormers pynative train"),
+    StepSpec("compare", 6, "cpu", ("megatron-train", "pynative-train"), title="compare losses"),
+)
+STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS)
+_BY_NAME = {s.name: s for s in STEPS}
+
+
+def step_spec(name: str) -> StepSpec:
+    """The step called ``name`` (also accepts its folder name, ``03-convert``)."""
+    for spec in STEPS:
+        if name in (spec.name, spec.dirname):
+            return spec
+    raise StoreError(f"unknown step {name!r} (steps: {', '.join(STEP_NAMES)})")
+
+
+def downstream(name: str) -> list[str]:
+    """``name`` and every step that reads from it, directly or not, in DAG order."""
+    affected = {step_spec(name).name}
+    for spec in STEPS:  # STEPS is topologically ordered
+        if affected.intersection(spec.inputs):
+            affected.add(spec.name)
+    return [s for s in STEP_NAMES if s in affected]
+
+
+# ---- small file helpers ---------------------------------------------------------------------
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_json(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON through a temporary sibling and a rename, so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=False)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StoreError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a folder by first renaming it out of the way, so no reader sees it half-deleted."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:8]}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def dataset_fingerprint(data: DatasetFiles) -> str:
+    """A digest of a prepared dataset: sha256 of its index and tokenizer, plus the size of its data file.
+
+    The ``.idx`` holds every document's length and offset, so a changed corpus changes it; the
+    ``.bin`` can be many GB and is represented by its size only.
+    """
+    prefix = Path(data.prefix)
+    idx, bin_ = prefix.with_name(prefix.name + ".idx"), prefix.with_name(prefix.name + ".bin")
+    for path in (idx, bin_, Path(data.tokenizer)):
+        if not path.exists():
+            raise StoreError(f"dataset file {path} does not exist")
+    return sha256_json({"idx": sha256_file(idx), "bin_size": bin_.stat().st_size,
+                        "tokenizer": sha256_file(Path(data.tokenizer))})
+
+
+# ---- step states ----------------------------------------------------------------------------
+
+StepStatus = Literal["done", "stale", "running", "interrupted", "failed", "pending"]
+
+
+@dataclass
+class StepState:
+    """What ``crossalign status`` shows for one step."""
+
+    spec: StepSpec
+    status: StepStatus
+    manifest: dict[str, Any] | None = None
+    attempt: dict[str, Any] | None = None
+
+    @property
+    def host(self) -> str:
+        source = self.manifest or self.attempt or {}
+        return source.get("host", "")
+
+    @property
+    def seconds(self) -> float | None:
+        if self.manifest is not None:
+            return self.manifest.get("seconds")
+        if self.attempt is not None and "seconds" in self.attempt:
+            return self.attempt["seconds"]
+        return None
+
+
+@dataclass
+class StepWriter:
+    """The staging folder of a step in progress; ``details`` ends up in the manifest."""
+
+    dir: Path
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Run:
+    """One run folder: its run.json and its six step folders."""
+
+    def __init__(self, store: "RunStore", run_id: str):
+        self.store = store
+        self.run_id = run_id
+        self.path = store.root / run_id
+
+    def __repr__(self) -> str:
+        return f"Run({self.path})"
+
+    # -- run.json --------------------------------------------------------------------------
+
+    @property
+    def info(self) -> dict[str, Any]:
+        path = self.path / RUN_INFO
+        if not path.exists():
+            raise StoreError(f"run {self.run_id!r} has no {RUN_INFO} in {self.path}")
+        return read_json(path)
+
+    @property
+    def config(self) -> AlignmentConfig:
+        return AlignmentConfig.model_validate(self.info["config"])
+
+    @property
+    def dataset(self) -> DatasetFiles:
+        data = self.info.get("dataset")
+        if not data:
+            raise StoreError(f"run {self.run_id!r}: run.json records no dataset")
+        return DatasetFiles(prefix=Path(data["prefix"]), tokenizer=Path(data["tokenizer"]))
+
+    def update_info(self, **fields: Any) -> None:
+        info = self.info
+        info.update(fields)
+        write_json_atomic(self.path / RUN_INFO, info)
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def step_dir(self, step: str) -> Path:
+        return self.path / step_spec(step).dirname
+
+    def manifest(self, step: str) -> dict[str, Any] | None:
+        path = self.step_dir(step) / MANIFEST
+        return read_json(path) if path.exists() else None
+
+    def input_digests(self, step: str) -> dict[str, str]:
+        """The current digests of everything ``step`` reads; raises StepNotReady if an input step is not done."""
+        spec = step_spec(step)
+        info = self.info
+        digests = {"config": sha256_json(info["config"])}
+        if spec.uses_dataset:
+            if not info.get("dataset"):
+                raise StepNotReady(f"run {self.run_id!r}: step {spec.name} needs a dataset and run.json records none")
+            digests["dataset"] = info["dataset"]["fingerprint"]
+        for upstream in spec.inputs:
+            if not self.is_done(upstream):
+                raise StepNotReady(f"run {self.run_id!r}: step {spec.name} needs {upstream}, which is not done")
+            digests[upstream] = sha256_file(self.step_dir(upstream) / MANIFEST)
+        return digests
+
+    def is_done(self, step: str) -> bool:
+        manifest = self.manifest(step)
+        if manifest is None or manifest.get("status") != "done":
+            return False
+        try:
+            return manifest.get("inputs") == self.input_digests(step)
+        except StepNotReady:
+            return False
+
+    def attempt(self, step: str) -> dict[str, Any] | None:
+        path = self.path / ATTEMPTS / f"{step_spec(step).name}.json"
+        return read_json(path) if path.exists() else None
+
+    def _write_attempt(self, step: str, record: dict[str, Any]) -> None:
+        folder = self.path / ATTEMPTS
+        folder.mkdir(exist_ok=True)
+        write_json_atomic(folder / f"{step}.json", record)
+
+    def _clear_attempt(self, step: str) -> None:
+        (self.path / ATTEMPTS / f"{step}.json").unlink(missing_ok=True)
+
+    def record_failure(self, step: str, error: str, *, retryable: bool) -> None:
+        """Note a failed attempt, so that `status` can show it and the orchestrator can decide on a retry."""
+        record = self.attempt(step) or {"step": step, "host": socket.gethostname()}
+        record.update(status="failed", error=error, retryable=retryable, finished=now_iso())
+        if "started_at" in record:
+            record["seconds"] = round(time.time() - record["started_at"], 3)
+        self._write_attempt(step, record)
+
+    def state(self, step: str) -> StepState:
+        spec = step_spec(step)
+        manifest = self.manifest(spec.name)
+        if manifest is not None:
+            return StepState(spec, "done" if self.is_done(spec.name) else "stale", manifest, self.attempt(spec.name))
+        attempt = self.attempt(spec.name)
+        if attempt is None:
+            return StepState(spec, "pending")
+        if attempt.get("status") == "running":
+            dead = attempt.get("host") == socket.gethostname() and not _pid_alive(int(attempt.get("pid", 0)))
+            return StepState(spec, "interrupted" if dead else "running", None, attempt)
+        return StepState(spec, "failed", None, attempt)
+
+    def states(self) -> list[StepState]:
+        return [self.state(s) for s in STEP_NAMES]
+
+    def _partials(self, spec: StepSpec) -> list[Path]:
+        return sorted(self.path.glob(f".{spec.dirname}.partial-*"))
+
+    def _clean_partials(self, spec: StepSpec) -> None:
+        """Remove staging folders left by killed attempts (any not owned by a live process on this host)."""
+        here = socket.gethostname()
+        for partial in self._partials(spec):
+            owner = partial.name.split(".partial-", 1)[1].rsplit("-", 2)
+            if len(owner) == 3 and owner[0] == here and owner[1].isdigit() and _pid_alive(int(owner[1])) \
+                    and int(owner[1]) != os.getpid():
+                continue
+            shutil.rmtree(partial, ignore_errors=True)
+
+    @contextmanager
+    def commit(self, step: str, command: str) -> Iterator[StepWriter]:
+        """Run a step's work in a staging folder and rename it into place only when it completed.
+
+        Raises StepNotReady before anything is written if an input step is not done, and
+        StaleInputs at the end if an input changed meanwhile. On any error the staging folder is
+        removed and the attempt is recorded as failed; the previous output (if any) stays.
+        """
+        spec = step_spec(step)
+        inputs = self.input_digests(spec.name)
+        self._clean_partials(spec)
+        host, pid = socket.gethostname(), os.getpid()
+        staging = self.path / f".{spec.dirname}.partial-{host}-{pid}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir()
+        started_at = time.time()
+        self._write_attempt(spec.name, {"step": spec.name, "status": "running", "host": host, "pid": pid,
+                                        "command": command, "started": now_iso(), "started_at": started_at})
+        writer = StepWriter(staging)
+        try:
+            yield writer
+            if self.input_digests(spec.name) != inputs:
+                raise StaleInputs(f"run {self.run_id!r}: an input of step {spec.name} changed while it ran")
+            finished_at = time.time()
+            manifest = {
+                "format": FORMAT_VERSION, "run_id": self.run_id, "step": spec.name, "status": "done",
+                "host": host, "pid": pid, "command": command,
+                "started": datetime.fromtimestamp(started_at, timezone.utc).isoformat(timespec="seconds"),
+                "finished": datetime.fromtimestamp(finished_at, timezone.utc).isoformat(timespec="seconds"),
+                "seconds": round(finished_at - started_at, 3),
+                "inputs": inputs, "outputs": _list_outputs(staging), "details": writer.details,
+            }
+            write_json_atomic(staging / MANIFEST, manifest)
+            final = self.step_dir(spec.name)
+            old = None
+            if final.exists():
+                old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(final, old)
+            os.replace(staging, final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            self._clear_attempt(spec.name)
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            self.record_failure(spec.name, f"{type(exc).__name__}: {exc}", retryable=_is_retryable(exc))
+            raise
+
+    def invalidate(self, step: str) -> list[str]:
+        """Remove ``step`` and everything downstream of it; returns the steps removed."""
+        removed = []
+        for name in downstream(step):
+            if self.step_dir(name).exists():
+                removed.append(name)
+            _remove_tree(self.step_dir(name))
+            self._clear_attempt(name)
+        return removed
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    """Infrastructure trouble (I/O, network, interruption) may pass; everything else fails the same way again."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return True
+    if isinstance(exc, ValueError):
+        return False
+    return isinstance(exc, (OSError, ConnectionError, TimeoutError))
+
+
+def _list_outputs(folder: Path) -> list[dict[str, Any]]:
+    outputs = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel == MANIFEST:
+            continue
+        outputs.append({"path": rel, "size": path.stat().st_size, "sha256": sha256_file(path)})
+    return outputs
+
+
+class RunStore:
+    """The folder that holds every run (``site.store``)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser().absolute()
+
+    def __repr__(self) -> str:
+        return f"RunStore({self.root})"
+
+    def run(self, run_id: str) -> Run:
+        """An existing run; raises StoreError naming the store if there is none."""
+        run = Run(self, check_run_id(run_id))
+        if not (run.path / RUN_INFO).exists():
+            raise StoreError(f"no run {run_id!r} in {self.root}")
+        return run
+
+    def exists(self, run_id: str) -> bool:
+        return (self.root / check_run_id(run_id) / RUN_INFO).exists()
+
+    def create_run(self, run_id: str, config: AlignmentConfig, *, config_source: str,
+                   parameters: dict[str, Any], code_version: dict[str, Any]) -> Run:
+        """Create a run, or open it again if it exists with the same config (a resume).
+
+        A run id that exists with a different config is refused: its finished steps describe
+        another experiment.
+        """
+        run = Run(self, check_run_id(run_id))
+        snapshot = config.model_dump(mode="json")
+        if (run.path / RUN_INFO).exists():
+            existing = run.info
+            if sha256_json(existing["config"]) != sha256_json(snapshot):
+                raise StoreError(f"run {run_id!r} in {self.root} exists with a different config; "
+                                 f"choose another run id or rerun it as it is")
+            return run
+        run.path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run.path / RUN_INFO, {
+            "format": FORMAT_VERSION, "run_id": run_id, "created": now_iso(), "host": socket.gethostname(),
+            "config_source": config_source, "parameters": parameters, "code_version": code_version,
+            "config": snapshot, "dataset": None,
+        })
+        return run
+
+    def runs(self) -> list[Run]:
+        if not self.root.exists():
+            return []
+        return [Run(self, p.name) for p in sorted(self.root.iterdir()) if (p / RUN_INFO).exists()]
+
+    def dataset_dir(self, vocab_size: int) -> Path:
+        return self.root / "datasets" / str(vocab_size)
+
+
+def check_run_id(run_id: str) -> str:
+    """The run id itself if it is usable as a folder name; raises StoreError otherwise."""
+    if not run_id or run_id.startswith(".") or "/" in run_id or run_id != run_id.strip() or run_id == "datasets":
+        raise StoreError(f"invalid run id {run_id!r}: use letters, digits, dashes, dots or underscores")
+    if not all(c.isalnum() or c in "-_." for c in run_id):
+        raise StoreError(f"invalid run id {run_id!r}: use letters, digits, dashes, dots or underscores")
+    return run_id

@@ -1,0 +1,21 @@
+"""Step 2 (cpu): cast the base checkpoint to bf16, the weights both alignment runs start from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crossalign.site import SiteConfig
+from crossalign.store import Run
+from crossalign.tasks.command import step_command
+
+STEP = "cast-bf16"
+
+
+def cast_bf16(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
+    from crossalign.checkpoint.cast import cast_bf16 as cast
+
+    with run.commit(STEP, command=step_command(run, STEP)) as out:
+        report = cast(run.step_dir("base-train") / "checkpoint", out.dir / "checkpoint")
+        out.details.update(checkpoint="checkpoint", tensors=report.tensors, cast=report.cast,
+                           bytes_in=report.bytes_in, bytes_out=report.bytes_out)
+    return run.manifest(STEP)

@@ -1,0 +1,29 @@
+"""Step 6 (cpu): compare the lm and mtp losses of steps 4 and 5 and write the verdict, plots and report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crossalign.site import SiteConfig
+from crossalign.store import Run, write_json_atomic
+from crossalign.tasks.command import step_command
+
+STEP = "compare"
+SUMMARY = "summary.json"
+
+
+def compare(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
+    """Commit the comparison whatever its verdict: a failed verdict is a finished result, not a failed step."""
+    from crossalign.report.compare import compare_logs
+
+    npu = run.manifest("pynative-train") or {}
+    gpu = run.manifest("megatron-train") or {}
+    npu_log = run.step_dir("pynative-train") / npu.get("details", {}).get("log", "train.log")
+    gpu_log = run.step_dir("megatron-train") / gpu.get("details", {}).get("log", "train.log")
+    with run.commit(STEP, command=step_command(run, STEP)) as out:
+        summary = compare_logs(npu_log, gpu_log, out.dir)
+        data = summary.to_dict()
+        if not (out.dir / SUMMARY).exists():
+            write_json_atomic(out.dir / SUMMARY, data)
+        out.details.update(verdict=summary.verdict, summary=SUMMARY)
+    return run.manifest(STEP)

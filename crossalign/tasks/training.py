@@ -1,0 +1,26 @@
+"""What the three training steps share: build the request, pick the backend, commit log and checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from crossalign.backends.base import Mode, Side, StepCallback, TrainRequest
+from crossalign.site import SiteConfig
+from crossalign.store import Run
+from crossalign.tasks.backends import TrainingPool, training_backend
+from crossalign.tasks.command import step_command
+
+
+def train_step(run: Run, step: str, *, pool: TrainingPool, side: Side, mode: Mode, site: SiteConfig,
+               init_checkpoint: Path | None, save: bool, on_step: StepCallback | None) -> dict[str, Any]:
+    backend = training_backend(pool, site)
+    with run.commit(step, command=step_command(run, step)) as out:
+        request = TrainRequest(config=run.config, side=side, mode=mode, data=run.dataset, output_dir=out.dir,
+                               init_checkpoint=init_checkpoint, save=save, on_step=on_step)
+        result = backend.train(request)
+        out.details.update(backend=backend.name, iterations=result.iterations, train_seconds=round(result.seconds, 3),
+                           log=result.log_path.relative_to(out.dir).as_posix(),
+                           checkpoint=None if result.checkpoint_dir is None
+                           else result.checkpoint_dir.relative_to(out.dir).as_posix())
+    return run.manifest(step)
