@@ -1,0 +1,192 @@
+"""Preflight config: both generated sides agree; every injected pitfall is named; CLI exit codes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from crossalign.backends.megatron import megatron_args
+from crossalign.backends.mindformers import mindformers_yaml
+from crossalign.backends.preflight import (
+    PreflightInputError,
+    load_megatron_args_file,
+    megatron_lr,
+    mindformers_lr,
+    preflight_config,
+)
+from crossalign.cli import app
+from crossalign.config import load_config
+
+PREFIX = "/data/corpus_text_document"
+
+
+def generated(name: str = "qwen35_moe_tiny"):
+    config = load_config(name)
+    args = megatron_args(config, data_prefix=PREFIX, tokenizer=None, load_dir="/ckpt")
+    y = mindformers_yaml(config, mode="align", data_prefix=PREFIX, load_dir="/ckpt")
+    return config, args, y
+
+
+def set_flag(args: list[str], flag: str, *values: str) -> list[str]:
+    out = drop_flag(args, flag)
+    return out + [flag, *values]
+
+
+def drop_flag(args: list[str], flag: str) -> list[str]:
+    out, skipping = [], False
+    for token in args:
+        if token.startswith("--"):
+            skipping = token == flag
+        if not skipping:
+            out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen35_dense", "qwen35_moe", "qwen35_dense_tiny", "qwen35_moe_tiny"])
+def test_generated_sides_agree(name: str):
+    report = preflight_config(load_config(name))
+    assert report.ok, report.mismatches
+    names = [row.name for row in report.rows]
+    for expected in ("seed (sample order)", "data path form", "split", "train samples", "seq length",
+                     "global batch size", "lr", "lr warmup steps", "lr applied at step 1", "lr decay style",
+                     "adam beta1", "adam beta2", "adam eps", "weight decay", "grad clip", "attention dropout",
+                     "hidden dropout", "norm epsilon", "layer layout", "rotary base", "rotary percent",
+                     "MTP layers", "MTP loss scaling", "bf16", "deterministic"):
+        assert expected in names, expected
+    if "moe" in name:
+        for expected in ("norm_topk_prob", "shared-expert gate", "aux loss coeff", "router topk",
+                         "router score function"):
+            assert expected in names, expected
+
+
+def mismatches_after(mutate_args=None, mutate_yaml=None, name: str = "qwen35_moe_tiny") -> list[str]:
+    config, args, y = generated(name)
+    y = copy.deepcopy(y)
+    if mutate_args:
+        args = mutate_args(args)
+    if mutate_yaml:
+        mutate_yaml(y)
+    return preflight_config(config, megatron_args=args, mindformers_yaml=y).mismatches
+
+
+def test_seed_42_against_1234():
+    assert mismatches_after(lambda a: set_flag(a, "--seed", "42")) == ["seed (sample order)"]
+
+
+def test_norm_topk_prob_false():
+    def unset(y):
+        del y["model"]["norm_topk_prob"]  # MindFormers' default is False
+    assert mismatches_after(mutate_yaml=unset) == ["norm_topk_prob"]
+    assert mismatches_after(lambda a: a + ["--moe-router-pre-softmax"]) == ["norm_topk_prob"]
+
+
+def test_missing_shared_expert_gate():
+    assert mismatches_after(lambda a: drop_flag(a, "--moe-shared-expert-gate")) == ["shared-expert gate"]
+
+    def off(y):
+        y["model"]["use_shared_expert_gating"] = False
+    assert mismatches_after(mutate_yaml=off) == ["shared-expert gate"]
+
+
+def test_warmup_mismatch_names_the_steps_whose_lr_differs():
+    def ten(y):
+        y["lr_scheduler"]["warmup_steps"] = 10
+    found = mismatches_after(mutate_yaml=ten)
+    assert "lr warmup steps" in found and "lr applied at step 2" in found
+    assert "lr applied at step 1" not in found  # both start at the warmup init
+
+
+def test_warmup_ratio_is_read_as_mindformers_computes_it():
+    def ratio(y):
+        del y["lr_scheduler"]["warmup_steps"]
+        y["lr_scheduler"]["warmup_ratio"] = 0.1  # int(50 * 0.1) = 5, the same warmup
+    assert mismatches_after(mutate_yaml=ratio) == []
+
+
+def test_cyclic_loader():
+    assert mismatches_after(lambda a: set_flag(a, "--dataloader-type", "cyclic")) == ["sample order (loader)"]
+
+
+def test_weighted_blend_on_one_side():
+    def blend(y):
+        y["train_dataset"]["dataloader"]["config"]["data_path"] = ["1", PREFIX]
+    assert mismatches_after(mutate_yaml=blend) == ["data path form"]
+
+
+def test_megatron_default_split():
+    assert mismatches_after(lambda a: drop_flag(a, "--split")) == ["split"]
+    assert mismatches_after(lambda a: set_flag(a, "--split", "969,30,1")) == ["split"]
+    assert mismatches_after(lambda a: set_flag(a, "--split", "100,0,0")) == []  # same proportions
+
+
+def test_megatron_defaults_that_differ():
+    found = mismatches_after(lambda a: drop_flag(drop_flag(a, "--lr-decay-style"), "--hidden-dropout"))
+    assert "lr decay style" in found and "hidden dropout" in found
+    assert mismatches_after(lambda a: a + ["--apply-layernorm-1p"]) == ["norm weight form"]
+
+
+def test_mindformers_defaults_that_differ():
+    def no_betas(y):
+        del y["optimizer"]["betas"]  # MindFormers' default (0.9, 0.95)
+    assert mismatches_after(mutate_yaml=no_betas) == ["adam beta2"]
+
+    def lower_none(y):
+        y["recompute"]["mode"] = "none"
+    assert mismatches_after(mutate_yaml=lower_none) == ["recompute mode (MTP)"]
+
+    def no_deterministic(y):
+        y["training"]["deterministic"] = False
+    assert mismatches_after(mutate_yaml=no_deterministic) == ["deterministic"]
+
+
+def test_sample_count_and_layout():
+    def sizes(y):
+        y["train_dataset"]["dataloader"]["sizes"] = [999, 0, 0]
+    assert mismatches_after(mutate_yaml=sizes) == ["train samples"]
+
+    def freq(y):
+        y["model"]["linear_attention_freq"] = 2
+    assert mismatches_after(mutate_yaml=freq) == ["layer layout"]
+    assert mismatches_after(lambda a: set_flag(a, "--mtp-loss-scaling-factor", "0.1")) == ["MTP loss scaling"]
+
+
+def test_lr_semantics_per_side():
+    # SPEC 6: with the same W and init both apply init at step 1, reach max at step W+1
+    mg = [megatron_lr(k, lr=1.0, min_lr=0.0, init=0.0, warmup=4, decay_iters=100, style="constant") for k in range(1, 7)]
+    mf = [mindformers_lr(k, scheduler="ConstantWarmUpLR", lr=1.0, init=0.0, warmup=4) for k in range(1, 7)]
+    assert mg == mf == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert megatron_lr(10, lr=1.0, min_lr=0.0, init=0.0, warmup=0, decay_iters=10, style="linear") == pytest.approx(0.1)
+
+
+def test_args_file_forms(tmp_path: Path):
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/bash\n# my run\ntorchrun --nproc_per_node 8 pretrain_gpt.py \\\n"
+                      "    --seed 42 \\\n    --data-path 1 /data/x \\\n    --bf16\n")
+    assert load_megatron_args_file(script) == ["--seed", "42", "--data-path", "1", "/data/x", "--bf16"]
+    listed = tmp_path / "args.txt"
+    listed.write_text("--seed\n1234\n--bf16\n")
+    assert load_megatron_args_file(listed) == ["--seed", "1234", "--bf16"]
+    with pytest.raises(PreflightInputError, match="not found"):
+        load_megatron_args_file(tmp_path / "missing.txt")
+
+
+def test_cli(tmp_path: Path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["preflight", "config", "--model", "qwen35_moe_tiny"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "norm_topk_prob" in result.output and "lr applied at step 1" in result.output
+
+    config, _, y = generated()
+    y["train_dataset"]["dataloader"]["config"]["seed"] = 42
+    y["model"]["norm_topk_prob"] = False
+    own = tmp_path / "mine.yaml"
+    own.write_text(yaml.safe_dump(y))
+    result = runner.invoke(app, ["preflight", "config", "--model", "qwen35_moe_tiny", "--mindformers-yaml", str(own)],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 1
+    assert "2 mismatch(es)" in result.output and "seed (sample order)" in result.output
+    assert "norm_topk_prob" in result.output.split("mismatch(es):")[1]
