@@ -27,6 +27,13 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from crossalign.config import AlignmentConfig
+from crossalign.data.settings import (
+    MEGATRON_DEFAULT_SEED,
+    MEGATRON_DEFAULT_SPLIT,
+    MINDFORMERS_DEFAULT_SEED,
+    SampleOrderError,
+    split_vector,
+)
 
 UNSET = "(unset)"
 LR_STEPS_SHOWN = 12
@@ -98,9 +105,10 @@ def _same(a: Any, b: Any) -> bool:
 def _split(text: str | None) -> tuple[float, ...] | None:
     if text is None:
         return None
-    parts = [float(p) for p in str(text).replace("/", ",").split(",") if p.strip()]
-    total = sum(parts)
-    return tuple(round(p / total, 9) for p in parts) if total else None
+    try:
+        return split_vector(text)
+    except SampleOrderError:
+        return None
 
 
 def _layout(num_layers: int | None, freq: Any) -> str | None:
@@ -222,10 +230,10 @@ def read_megatron_args(args: Sequence[str]) -> dict[str, Reading]:
     r: dict[str, Reading] = {}
     iters = num("--train-iters", None, int).value
     gbs = num("--global-batch-size", None, int).value
-    r["seed (sample order)"] = num("--seed", 1234, int)
+    r["seed (sample order)"] = num("--seed", MEGATRON_DEFAULT_SEED, int)
     tokens = a.get("--data-path")
     r["data path form"] = Reading(_data_path(tokens), _show_data_path(_data_path(tokens), tokens), "--data-path")
-    split_text = raw("--split") or ("969, 30, 1" if tokens else None)
+    split_text = raw("--split") or (MEGATRON_DEFAULT_SPLIT if tokens else None)
     r["split"] = Reading(_split(split_text), split_text or UNSET, "--split" if raw("--split") else "default")
     r["sample order (loader)"] = _reading(raw("--dataloader-type") or "single", "--dataloader-type")
     r["train samples"] = _reading(iters * gbs if iters and gbs else None, "--train-iters x --global-batch-size")
@@ -377,7 +385,7 @@ def read_mindformers_yaml(data: Mapping[str, Any]) -> dict[str, Reading]:
     r: dict[str, Reading] = {}
     steps = get(training, ["steps"], 1000, "training", int).value
     gbs = get(training, ["global_batch_size"], 1, "training", int).value
-    r["seed (sample order)"] = get(dataset, ["seed"], 1234, "train_dataset.dataloader.config", int)
+    r["seed (sample order)"] = get(dataset, ["seed"], MINDFORMERS_DEFAULT_SEED, "train_dataset.dataloader.config", int)
     tokens = dataset.get("data_path")
     tokens = [tokens] if isinstance(tokens, str) else tokens
     r["data path form"] = Reading(_data_path(tokens), _show_data_path(_data_path(tokens), tokens),
