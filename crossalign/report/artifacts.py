@@ -1,0 +1,53 @@
+"""Show a comparison in the Prefect UI: the report as markdown, the metrics as a table, a link to the HTML.
+
+Called by the compare step of the flow; outside a flow or task run it does nothing, so the
+same step function runs unchanged from the CLI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+REPORT_KEY = "compare-report"
+METRICS_KEY = "compare-metrics"
+LINK_KEY = "compare-report-link"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.4g}%"
+
+
+def metrics_table(summary: Mapping) -> list[dict[str, object]]:
+    """One row per series of a summary.json dict, errors as percentages."""
+    rows = []
+    for name, m in summary["series"].items():
+        rows.append({
+            "series": name, "status": m["status"], "steps": m["steps_compared"],
+            "step1_rel_err": _pct(m["step1_rel_err"]), "mean_rel_err": _pct(m["mean_rel_err"]),
+            "median_rel_err": _pct(m["median_rel_err"]), "max_rel_err": _pct(m["max_rel_err"]),
+            "pearson": "n/a" if m["pearson"] is None else round(m["pearson"], 6),
+            "first_bad_step": m["first_bad_step"], "passed": m["passed"],
+        })
+    return rows
+
+
+def publish_artifacts(summary, out_dir: Path) -> None:
+    """Create the three artifacts for a ``Summary`` (or its ``to_dict()``) whose report is in ``out_dir``."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        return
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+    data = summary if isinstance(summary, Mapping) else summary.to_dict()
+    out_dir = Path(out_dir).resolve()
+    report = out_dir / "report.md"
+    markdown = report.read_text(encoding="utf-8") if report.exists() else f"# verdict: {data['verdict']}\n"
+    # the UI cannot load a relative image: name the file instead
+    markdown = markdown.replace("![losses and relative errors](loss.png)", f"plot: `{out_dir / 'loss.png'}`")
+    description = f"verdict: {data['verdict']}"
+    create_markdown_artifact(markdown=markdown, key=REPORT_KEY, description=description)
+    create_table_artifact(table=metrics_table(data), key=METRICS_KEY, description=description)
+    create_link_artifact(link=(out_dir / "report.html").as_uri(), link_text="report.html", key=LINK_KEY,
+                         description=description)
