@@ -174,11 +174,18 @@ class GatedDeltaNet(nn.Cell):
                 rows[..., z_end: z_end + self.value_heads], rows[..., z_end + self.value_heads:])
 
     def _causal_conv(self, qkv: Tensor) -> Tensor:
-        """Depthwise conv over time, padding K-1 on both sides, keep the first T outputs."""
-        length = qkv.shape[1]
-        weight = self.conv1d.weight.reshape(self.channels, 1, self.kernel)
-        out = ops.conv1d(qkv.swapaxes(1, 2), weight, pad_mode="pad", padding=self.kernel - 1, groups=self.channels)
-        return ops.silu(out[:, :, :length]).swapaxes(1, 2)
+        """Depthwise causal conv over time, then SiLU: out_t = sum_j w[:, j] * x_{t - (K-1) + j}.
+
+        The same as a grouped conv1d with padding K-1 keeping the first T outputs, written as K
+        shifted multiply-adds: MindSpore's CPU conv1d takes ~20 ms here, the shifts well under one.
+        """
+        batch, length, channels = qkv.shape
+        padded = mint.cat([ops.zeros((batch, self.kernel - 1, channels), qkv.dtype), qkv], dim=1)
+        taps = self.conv1d.weight.reshape(channels, self.kernel)
+        out = padded[:, self.kernel - 1:] * taps[:, self.kernel - 1]
+        for j in range(self.kernel - 1):
+            out = out + padded[:, j: j + length] * taps[:, j]
+        return ops.silu(out)
 
     @staticmethod
     def _l2_normalise(x: Tensor) -> Tensor:
