@@ -62,6 +62,17 @@ def test_cast_of_a_bare_folder(tmp_path):
     assert load_file(tmp_path / "out" / "net.safetensors")["w"].dtype == torch.bfloat16
 
 
+def test_large_tensors_are_cast_in_row_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr("crossalign.checkpoint.cast.BLOCK_BYTES", 64)  # 4 rows of 16 bytes per block
+    folder = tmp_path / "bare"
+    folder.mkdir()
+    tensors = {"rows": torch.randn(10, 4), "scalar": torch.tensor(3.0), "cube": torch.randn(5, 2, 3)}
+    save_file(tensors, folder / "net.safetensors")
+    cast_bf16(folder, tmp_path / "out")
+    out = load_file(tmp_path / "out" / "net.safetensors")
+    assert all(torch.equal(out[k], v.to(torch.bfloat16)) for k, v in tensors.items())
+
+
 def test_truncated_input_fails_before_writing_anything(tmp_path):
     source = _source(tmp_path)
     file = next((source / "iteration_00000009").glob("*-opt-*.safetensors"))

@@ -5,7 +5,8 @@ folder), every safetensors file with the same tensors in the same order and the 
 metadata, floating tensors cast to bf16 and the others unchanged, and every other file of
 the folder (common.json, metadata.json) copied as is. The cast streams: each output file's
 header is written from the input header, then each tensor is read, cast, written and
-dropped, so memory holds one tensor at a time whatever the checkpoint size.
+dropped, large ones in row blocks, so memory holds at most one tensor (or one block of
+64 MiB) at a time whatever the checkpoint size.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch
 from crossalign.checkpoint.atomic import atomic_directory, check_output_dir
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.mindformers import TRACKER, read_mindformers_checkpoint
-from crossalign.checkpoint.safetensors_io import FLOATING, SafetensorsWriter, TensorInfo, read_header, read_tensor
+from crossalign.checkpoint.safetensors_io import FLOATING, SafetensorsWriter, TensorInfo, read_header, read_rows
 
 Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, tensor name)
+BLOCK_BYTES = 64 * 2**20  # large tensors (the embedding) are cast in row blocks of this size
 
 
 @dataclass
@@ -44,9 +46,10 @@ def _cast_file(source: Path, target: Path, progress: Callable[[str], None]) -> t
     cast = sum(info.dtype in FLOATING and info.dtype != "BF16" for info in infos)
     with SafetensorsWriter(target, out_infos, metadata) as writer:
         for info in infos:
-            tensor = read_tensor(source, info.name)
-            writer.write(info.name, tensor.to(torch.bfloat16) if info.dtype in FLOATING else tensor)
-            del tensor
+            blocks = read_rows(source, info, BLOCK_BYTES)
+            if info.dtype in FLOATING:
+                blocks = (block.to(torch.bfloat16) for block in blocks)
+            writer.write_blocks(info.name, blocks)
             progress(info.name)
     return len(infos), cast, sum(i.nbytes for i in infos), sum(i.nbytes for i in out_infos)
 

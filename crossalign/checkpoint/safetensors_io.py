@@ -13,7 +13,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Mapping
+from typing import BinaryIO, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -70,6 +70,23 @@ def read_tensor(path: Path, name: str) -> torch.Tensor:
         raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from None
 
 
+def read_rows(path: Path, info: TensorInfo, max_bytes: int) -> Iterator[torch.Tensor]:
+    """A tensor in consecutive row blocks of at most about ``max_bytes``, each read on its own."""
+    rows = info.shape[0] if info.shape else 0
+    row_bytes = info.nbytes // rows if rows else info.nbytes
+    step = max(1, max_bytes // max(row_bytes, 1))
+    if not info.shape or rows <= step:
+        yield read_tensor(path, info.name)
+        return
+    for start in range(0, rows, step):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                block = handle.get_slice(info.name)[start:start + step]
+        except Exception as exc:
+            raise CheckpointError(f"{path}: cannot read rows {start}.. of tensor {info.name!r} ({exc})") from None
+        yield block
+
+
 def _header_bytes(infos: Iterable[TensorInfo], metadata: Mapping[str, str] | None) -> bytes:
     header: dict[str, object] = {}
     if metadata is not None:
@@ -98,15 +115,30 @@ class SafetensorsWriter:
         self._file.write(header)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next announced tensor whole."""
+        self.write_blocks(name, [tensor])
+
+    def write_blocks(self, name: str, blocks: Iterable[torch.Tensor]) -> None:
+        """Write the next announced tensor from consecutive row blocks (so that it never sits whole in memory)."""
         if not self._pending:
             raise CheckpointError(f"{self.path}: tensor {name!r} was not announced")
         expected = self._pending.pop(0)
-        actual = (name, DTYPE_NAMES.get(tensor.dtype), tuple(tensor.shape))
-        if actual != (expected.name, expected.dtype, expected.shape):
+        shapes, written, dtype = [], 0, None
+        for block in blocks:
+            shapes.append(list(block.shape))
+            dtype = DTYPE_NAMES.get(block.dtype)
+            if name == expected.name and dtype == expected.dtype and (
+                    tuple(block.shape) == expected.shape or tuple(block.shape[1:]) == expected.shape[1:]):
+                data = block.detach().contiguous().reshape(-1).view(torch.uint8)
+                self._file.write(memoryview(data.numpy()))
+                written += data.numel()
+            else:
+                written = -1
+                break
+        if written != expected.nbytes:
+            got = shapes[0] if len(shapes) == 1 else f"blocks {shapes}"
             raise CheckpointError(f"{self.path}: expected {expected.name!r} {expected.dtype} {list(expected.shape)}, "
-                                  f"got {name!r} {actual[1]} {list(actual[2])}")
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+                                  f"got {name!r} {dtype} {got}")
 
     def close(self) -> None:
         self._file.close()
