@@ -26,6 +26,15 @@ DENSE = load_config("qwen35_dense_tiny").model
 MOE = load_config("qwen35_moe_tiny").model
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The test machine's cores are shared: one intra-op thread avoids OpenMP oversubscription stalls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def build(model_config, core_version="0.16.1", seed=0) -> Qwen35Model:
     torch.manual_seed(seed)
     return Qwen35Model(model_config, core_version)
