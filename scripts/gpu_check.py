@@ -1,0 +1,190 @@
+"""The pieces of scripts/gpu_check.sh: a real Megatron step against our PyTorch reference.
+
+On a machine with one NVIDIA GPU, TransformerEngine, flash-linear-attention and a Megatron-LM
+checkout, ``python scripts/gpu_check.py --megatron PATH`` does, in about five minutes for the tiny
+configs:
+
+1. builds the tiny dataset, a random tiny MindFormers checkpoint, its bf16 cast and its
+   Megatron conversion (exactly DAG steps 2 and 3);
+2. trains two iterations with the real Megatron backend (run script, log checks);
+3. computes the step-1 losses of the same global batch with our PyTorch model in fp32 on CPU
+   from the converted weights, and compares them with Megatron's step-1 line;
+4. runs our PyTorch model on CUDA (fla's Triton ``chunk_gated_delta_rule``) against the CPU
+   forms (fla's pure-torch naive chunk form) on the same batch.
+
+Every function but :func:`train_megatron` and the CUDA half of :func:`kernel_check` runs on CPU, so
+the tests exercise them there. Exit status 0 when every check passes, 1 otherwise; a summary
+is written to ``<work>/gpu_check.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from crossalign.backends.base import DatasetFiles, TrainRequest
+from crossalign.config import AlignmentConfig, load_config
+
+STEP1_TOLERANCE = 0.005  # SPEC 1: step-1 relative error < 0.5% (bf16 Megatron against fp32 reference)
+KERNEL_TOLERANCE = 1e-4  # fp32 Triton chunk kernel against the pure-torch chunk form
+
+
+@dataclass
+class Check:
+    name: str
+    expected: float
+    actual: float
+    tolerance: float
+
+    @property
+    def relative_error(self) -> float:
+        return abs(self.actual - self.expected) / max(abs(self.expected), 1e-12)
+
+    @property
+    def ok(self) -> bool:
+        return self.relative_error < self.tolerance
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok else "FAIL"
+        return (f"[{mark}] {self.name}: reference {self.expected:.6f}, checked {self.actual:.6f}, "
+                f"relative error {self.relative_error:.3e} (tolerance {self.tolerance:g})")
+
+
+def check_config(name: str, iterations: int = 2) -> AlignmentConfig:
+    """The model config with a run short enough for a smoke check (warmup 1: Megatron needs warmup < iterations)."""
+    config = load_config(name)
+    training = config.training.model_copy(update={"train_iters": iterations, "lr_warmup_iters": 1})
+    return config.model_copy(update={"training": training})
+
+
+def prepare_inputs(config: AlignmentConfig, work: Path, seed: int = 1234) -> tuple[DatasetFiles, Path]:
+    """Dataset, random MindFormers checkpoint, bf16 cast, Megatron conversion; returns (data, Megatron checkpoint)."""
+    from crossalign.checkpoint.cast import cast_bf16
+    from crossalign.checkpoint.convert import convert_checkpoint
+    from crossalign.checkpoint.layout import random_mindformers_state
+    from crossalign.checkpoint.mindformers import write_mindformers_checkpoint
+    from crossalign.data.prepare import prepare_dataset
+
+    model, training = config.model, config.training
+    data = prepare_dataset(work / "data", model.vocab_size)
+    base = work / "mindformers_base"
+    if not base.exists():
+        common = {"epoch_num": 1, "step_num": 0, "global_step": 0, "loss_scale": 1.0,
+                  "global_batch_size": training.global_batch_size, "consumed_samples": 0, "ckpt_status": None}
+        write_mindformers_checkpoint(base, 0, random_mindformers_state(model, seed), None, common)
+    bf16 = work / "mindformers_bf16"
+    if not bf16.exists():
+        cast_bf16(base, bf16)
+    megatron = work / "megatron_checkpoint"
+    if not megatron.exists():
+        convert_checkpoint(model, "ms2mg", bf16, megatron, core_version=training.megatron_core_version)
+    return data, megatron
+
+
+def first_batch(config: AlignmentConfig, prefix: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global batch 1 as Megatron reads it: (input_ids, labels, loss_mask)."""
+    from crossalign.data.order import batches_for
+
+    tokens = torch.as_tensor(batches_for("megatron", config.training, prefix)[0], dtype=torch.long)
+    return tokens[:, :-1], tokens[:, 1:], torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+
+
+def reference_losses(config: AlignmentConfig, checkpoint: Path, prefix: Path, device: str = "cpu",
+                     delta_rule_form: str = "chunk") -> dict[str, float]:
+    """Step-1 losses of our PyTorch model (fp32) from the converted Megatron checkpoint on global batch 1."""
+    from crossalign.backends.local.torch_model import GatedDeltaNet, Qwen35Model, load_megatron_state
+    from crossalign.checkpoint.megatron import read_megatron_checkpoint
+
+    net = Qwen35Model(config.model, config.training.megatron_core_version)
+    load_megatron_state(net, read_megatron_checkpoint(checkpoint, config.model).state)
+    for module in net.modules():
+        if isinstance(module, GatedDeltaNet):
+            module.delta_rule_form = delta_rule_form
+    net = net.to(device).float().eval()
+    input_ids, labels, loss_mask = (t.to(device) for t in first_batch(config, prefix))
+    with torch.no_grad():
+        _, lm_loss, mtp_losses, aux_loss = net(input_ids, labels, loss_mask)
+    losses = {"lm_loss": float(lm_loss)}
+    losses.update({f"mtp_{i + 1}_loss": float(v) for i, v in enumerate(mtp_losses)})
+    return losses
+
+
+def megatron_step1(log_path: Path, core_version: str) -> dict[str, float]:
+    """Megatron's logged step-1 losses (the first line is iteration 1 alone in every core version)."""
+    from crossalign.logs.megatron import parse_megatron_log
+
+    frame = parse_megatron_log(log_path, core_version)
+    row = frame[frame["step"] == 1].iloc[0]
+    return {name: float(row[name]) for name in frame.columns
+            if name == "lm_loss" or (name.startswith("mtp_") and name.endswith("_loss"))}
+
+
+def step1_checks(reference: dict[str, float], megatron: dict[str, float],
+                 tolerance: float = STEP1_TOLERANCE) -> list[Check]:
+    missing = sorted(set(reference) - set(megatron))
+    if missing:
+        raise ValueError(f"Megatron's step-1 line lacks {', '.join(missing)}")
+    return [Check(f"step-1 {name} (Megatron vs fp32 reference)", reference[name], megatron[name], tolerance)
+            for name in sorted(reference)]
+
+
+def train_megatron(config: AlignmentConfig, data: DatasetFiles, checkpoint: Path, work: Path, megatron: Path) -> Path:
+    """Two iterations through the real backend; returns its log."""
+    from crossalign.backends.megatron import MegatronBackend
+    from crossalign.site import FrameworkSite, SiteConfig
+
+    site = SiteConfig(megatron=FrameworkSite(path=megatron, python=sys.executable, nproc_per_node=1))
+    request = TrainRequest(config=config, side="megatron", mode="align", data=data, output_dir=work / "megatron_run",
+                           init_checkpoint=checkpoint,
+                           on_step=lambda step, total, m: print(f"  megatron iteration {step}/{total}: {m}", flush=True))
+    return MegatronBackend(site=site).train(request).log_path
+
+
+def kernel_check(config: AlignmentConfig, checkpoint: Path, prefix: Path, device: str = "cuda") -> list[Check]:
+    """Our model with fla's chunk kernel on ``device`` against its CPU chunk form, same weights and batch."""
+    cpu = reference_losses(config, checkpoint, prefix, "cpu", "chunk")
+    other = reference_losses(config, checkpoint, prefix, device, "chunk")
+    return [Check(f"{name} on {device} (fla chunk_gated_delta_rule) vs CPU naive chunk", cpu[name], other[name],
+                  KERNEL_TOLERANCE) for name in sorted(cpu)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--megatron", type=Path, required=True, help="Megatron-LM checkout")
+    parser.add_argument("--work", type=Path, default=Path("gpu_check_work"))
+    parser.add_argument("--model", default="qwen35_moe_tiny")
+    parser.add_argument("--skip-megatron", action="store_true", help="only the kernel check")
+    options = parser.parse_args(argv)
+
+    start = time.monotonic()
+    config = check_config(options.model)
+    options.work.mkdir(parents=True, exist_ok=True)
+    print(f"[1/4] dataset and checkpoints under {options.work}", flush=True)
+    data, checkpoint = prepare_inputs(config, options.work)
+    checks: list[Check] = []
+    if not options.skip_megatron:
+        print("[2/4] Megatron: two iterations through the real backend", flush=True)
+        log = train_megatron(config, data, checkpoint, options.work, options.megatron)
+        print("[3/4] fp32 reference on CPU, step-1 losses", flush=True)
+        reference = reference_losses(config, checkpoint, data.prefix)
+        checks += step1_checks(reference, megatron_step1(log, config.training.megatron_core_version))
+    print("[4/4] fla chunk kernel on CUDA against the CPU form", flush=True)
+    checks += kernel_check(config, checkpoint, data.prefix)
+    for check in checks:
+        print(check.line())
+    summary = {"model": options.model, "seconds": round(time.monotonic() - start, 1),
+               "ok": all(c.ok for c in checks),
+               "checks": [dict(asdict(c), relative_error=c.relative_error, ok=c.ok) for c in checks]}
+    (options.work / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+    print(f"{'PASS' if summary['ok'] else 'FAIL'} in {summary['seconds']} s", flush=True)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
