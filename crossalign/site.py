@@ -1,7 +1,7 @@
 """The site config: where this installation keeps its runs and finds the real frameworks.
 
 One YAML file per site (``crossalign.site.yaml`` in the working directory, or the path in
-``CROSSALIGN_SITE``). Without one, everything runs embedded on this machine: the run store is
+``CROSSALIGN_SITE``; ``CROSSALIGN_STORE`` overrides its store). Without one, everything runs embedded on this machine: the run store is
 ``./runs`` and both training sides use the CPU backends.
 
 ```yaml
@@ -36,6 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SITE_ENV = "CROSSALIGN_SITE"
+STORE_ENV = "CROSSALIGN_STORE"  # overrides the site's store (agents set it for the flow runs they start)
 DEFAULT_SITE_FILE = "crossalign.site.yaml"
 
 
@@ -111,8 +112,14 @@ def site_path() -> Path | None:
 
 
 def load_site(path: str | Path | None = None) -> SiteConfig:
-    """Read the site config; with no file, the embedded defaults."""
-    path = Path(path) if path is not None else site_path()
+    """Read the site config; with no file, the embedded defaults. $CROSSALIGN_STORE overrides the store."""
+    site = _read_site(Path(path) if path is not None else site_path())
+    if os.environ.get(STORE_ENV):
+        site = site.model_copy(update={"store": Path(os.environ[STORE_ENV])})
+    return site
+
+
+def _read_site(path: Path | None) -> SiteConfig:
     if path is None:
         return SiteConfig()
     if not path.exists():

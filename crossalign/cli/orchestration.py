@@ -281,3 +281,86 @@ def register(app: typer.Typer) -> None:
             verdict, report = _verdict(run)
         if verdict is not None:
             console.print(f"verdict: {verdict}    report: {report}", highlight=False)
+
+    agent_app = typer.Typer(name="agent", help="Run this machine as a worker of a pool (npu, cpu, gpu, orchestrator).",
+                            no_args_is_help=True)
+    app.add_typer(agent_app, name="agent")
+
+    @agent_app.command("start")
+    def agent_start(
+        pool: str = typer.Option(..., "--pool", help="orchestrator, npu, cpu or gpu"),
+        site_file: Optional[Path] = typer.Option(None, "--site", help="the site config (default: $CROSSALIGN_SITE "
+                                                 "or ./crossalign.site.yaml)"),
+        name: Optional[str] = typer.Option(None, "--name", help="worker name (default: <host>-<pool>)"),
+        limit: Optional[int] = typer.Option(None, "--limit", help="flow runs at once on this worker"),
+        probe_only: bool = typer.Option(False, "--probe-only", help="probe the machine and stop"),
+        no_patch: bool = typer.Option(False, "--no-patch", help="check the framework patches, do not apply them"),
+    ) -> None:
+        """Probe this machine for POOL, create the pool if missing, and start a Prefect process worker."""
+        from rich.table import Table
+
+        from crossalign.agents.probe import POOLS, missing, probe_pool
+        from crossalign.patching import PatchError
+        from crossalign.site import SiteError, load_site, site_path
+
+        if pool not in POOLS:
+            err_console.print(f"[bold red]error:[/] --pool {pool!r} is not one of {', '.join(POOLS)}")
+            raise typer.Exit(2)
+        with user_errors(SiteError, PatchError):
+            site_file = site_file or site_path()
+            site = load_site(site_file)
+            with console.status(f"probing this machine for the {pool} pool ..."):
+                checks = probe_pool(pool, site, apply_patches=not no_patch)
+        table = Table("check", "found", "detail", title=f"pool {pool} on this machine", title_justify="left")
+        for check in checks:
+            mark = "[green]yes[/]" if check.ok else ("[red]NO[/]" if check.required else "[yellow]no[/]")
+            table.add_row(check.name + ("" if check.required else " (optional)"), mark, check.detail)
+        console.print(table)
+        absent = missing(checks)
+        if absent:
+            err_console.print(f"[bold red]error:[/] this machine cannot serve the {pool} pool: missing "
+                              + "; ".join(f"{c.name} ({c.detail})" for c in absent), highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
+        if probe_only:
+            return
+        _quiet_prefect(verbose=True)
+        from crossalign.agents.worker import ensure_pool, exec_worker, worker_environment
+
+        created = ensure_pool(pool)
+        env = worker_environment(site, site_file)
+        console.print(f"pool {pool}: {'created' if created else 'exists'}; store {env['CROSSALIGN_STORE']}; "
+                      "starting the worker", highlight=False)
+        exec_worker(pool, env, name=name, limit=limit)
+
+    @app.command("deploy")
+    def deploy_command(prefect_file: Path = typer.Option(Path("prefect.yaml"), "--prefect-file",
+                                                         help="the deployments file")) -> None:
+        """Create the orchestrator/npu/cpu/gpu pools if missing and deploy every flow of prefect.yaml."""
+        import subprocess
+
+        from crossalign.agents.worker import deploy
+
+        _quiet_prefect(verbose=True)
+        with user_errors(FileNotFoundError, subprocess.CalledProcessError):
+            deploy(prefect_file)
+
+    automations_app = typer.Typer(name="automations", help="Server-side automations (zombie runs, nightly alerts).",
+                                  no_args_is_help=True)
+    app.add_typer(automations_app, name="automations")
+
+    @automations_app.command("install")
+    def automations_install(
+        webhook: Optional[str] = typer.Option(None, "--webhook", help="URL to call when a nightly run fails"),
+        zombie_after: int = typer.Option(120, "--zombie-after", help="seconds without heartbeat before a flow "
+                                         "run counts as crashed"),
+    ) -> None:
+        """Create (or replace) crossalign's automations on the Prefect server in PREFECT_API_URL."""
+        from crossalign.agents.automation import AutomationError, install_automations
+
+        _quiet_prefect(verbose=True)
+        with user_errors(AutomationError):
+            installed = install_automations(webhook, zombie_after)
+        for name, automation_id in installed.items():
+            console.print(f"automation {name}: {automation_id}", highlight=False)
+        if webhook is None:
+            console.print("no --webhook: the nightly failure alert was not installed", highlight=False)

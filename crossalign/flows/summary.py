@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from crossalign.report.artifacts import publish_artifacts
 from crossalign.store import Run
 from crossalign.tasks.compare import SUMMARY
 
@@ -14,9 +15,7 @@ def publish_compare(run: Run, logger) -> dict[str, Any]:
     out_dir = run.step_dir("compare")
     summary = json.loads((out_dir / SUMMARY).read_text())
     try:
-        from crossalign.report.artifacts import publish_artifacts
-
-        publish_artifacts(out_dir, summary)
+        publish_artifacts(summary, out_dir)
     except Exception as exc:  # a report that cannot be shown in the UI must not hide the verdict
         logger.warning(f"compare: artifacts not published: {exc}")
     return summary

@@ -1,0 +1,167 @@
+"""What a machine can run: the checks ``crossalign agent start`` makes before it starts a worker.
+
+Each pool needs different things. With the embedded CPU backends (``backends: local``) a
+pool needs only Python packages; with the real frameworks it needs them in the framework's own
+interpreter (site ``python``), plus the devices, the checkout and its patches. Imports are
+probed in a separate process of the interpreter that will run them, so a probe never loads
+MindSpore or torch into the agent itself and checks the environment that matters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from crossalign.site import FrameworkSite, SiteConfig
+
+Pool = Literal["orchestrator", "npu", "cpu", "gpu"]
+POOLS: tuple[str, ...] = ("orchestrator", "npu", "cpu", "gpu")
+CANN_DEFAULT = Path("/usr/local/Ascend/ascend-toolkit/latest")
+PROBE_TIMEOUT_S = 300
+
+# Run by the probed interpreter: imports each module and reports its version or the error.
+_IMPORT_PROBE = r"""
+import importlib, json, sys
+found = {}
+for name in sys.argv[1:]:
+    module, _, check = name.partition(":")
+    try:
+        mod = importlib.import_module(module)
+        info = {"ok": True, "version": str(getattr(mod, "__version__", "") or "")}
+        if check == "cuda":
+            info["ok"] = bool(mod.cuda.is_available())
+            info["version"] += f" (cuda {mod.version.cuda}, {mod.cuda.device_count()} devices)" if info["ok"] else " (no CUDA device)"
+    except Exception as exc:
+        info = {"ok": False, "version": f"{type(exc).__name__}: {exc}"}
+    found[name] = info
+print("@@probe@@" + json.dumps(found))
+"""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One thing a pool needs (or would like), and what was found."""
+
+    name: str
+    ok: bool
+    detail: str
+    required: bool = True
+
+
+class ProbeError(RuntimeError):
+    """A hard requirement of the pool is missing on this machine."""
+
+
+def probe_imports(modules: list[str], python: str | None = None) -> dict[str, dict]:
+    """Import ``modules`` in ``python`` (default: this interpreter); ``torch:cuda`` also checks for a CUDA device."""
+    interpreter = python or sys.executable
+    try:
+        done = subprocess.run([interpreter, "-c", _IMPORT_PROBE, *modules], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    except FileNotFoundError:
+        return {m: {"ok": False, "version": f"interpreter {interpreter} not found"} for m in modules}
+    except subprocess.TimeoutExpired:
+        return {m: {"ok": False, "version": f"imports did not finish in {PROBE_TIMEOUT_S} s"} for m in modules}
+    for line in done.stdout.splitlines():
+        if line.startswith("@@probe@@"):
+            return json.loads(line[len("@@probe@@"):])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {m: {"ok": False, "version": f"{interpreter} failed: {tail[0]}"} for m in modules}
+
+
+def _import_checks(wanted: list[tuple[str, str, bool]], python: str | None) -> list[Check]:
+    """``wanted``: (module[:cuda], label, required) probed together in one process."""
+    found = probe_imports([module for module, _, _ in wanted], python)
+    where = f" in {python}" if python else ""
+    checks = []
+    for module, label, required in wanted:
+        info = found.get(module, {"ok": False, "version": "not probed"})
+        detail = info["version"] or "importable"
+        checks.append(Check(label, info["ok"], detail + (where if info["ok"] else ""), required))
+    return checks
+
+
+def _cann() -> Check:
+    home = os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")
+    path = Path(home) if home else CANN_DEFAULT
+    if path.exists():
+        return Check("CANN toolkit", True, str(path.resolve()))
+    return Check("CANN toolkit", False, f"{path} not found (source CANN's set_env.sh, or set ASCEND_HOME_PATH)")
+
+
+def _checkout(label: str, framework: FrameworkSite, marker: str) -> Check:
+    if framework.path is None:
+        return Check(label, False, "not set in the site config")
+    path = Path(framework.path).expanduser()
+    if not (path / marker).exists():
+        return Check(label, False, f"{path}: no {marker} there")
+    return Check(label, True, str(path))
+
+
+def _patches(framework_name: str, framework: FrameworkSite, apply: bool) -> list[Check]:
+    """Check (and, with ``apply``, apply) the framework's non-optional patches; a conflict is a failed check."""
+    from crossalign.patching import PatchError, apply_patch, check_patch, load_patches
+
+    if framework.path is None or not Path(framework.path).expanduser().is_dir():
+        return []  # the checkout check already says what is wrong
+    checks = []
+    for patch in load_patches(framework_name):
+        if patch.optional:
+            continue
+        try:
+            report = check_patch(patch, Path(framework.path).expanduser())
+            if report.status == "applicable" and apply:
+                report = apply_patch(patch, Path(framework.path).expanduser())
+        except PatchError as exc:
+            checks.append(Check(f"patch {patch.name}", False, str(exc)))
+            continue
+        checks.append(Check(f"patch {patch.name}", report.status in ("applied", "not-needed"),
+                            f"{report.status}: {report.detail}"))
+    return checks
+
+
+def _remote(framework: FrameworkSite) -> Check:
+    return Check("framework host", True, f"runs over SSH on {framework.ssh_host}; probed there when a step starts",
+                 required=False)
+
+
+def probe_pool(pool: str, site: SiteConfig, *, apply_patches: bool = True) -> list[Check]:
+    """Everything ``pool`` needs on this machine under ``site``, as checks (required ones must pass)."""
+    if pool not in POOLS:
+        raise ValueError(f"pool {pool!r} is not one of {', '.join(POOLS)}")
+    if pool == "orchestrator":
+        return _import_checks([("prefect", "prefect", True), ("tokenizers", "tokenizers (dataset)", True),
+                               ("megatron.core", "megatron-core (dataset, sample order)", True)], None)
+    if pool == "cpu":
+        return _import_checks([("torch", "torch", True), ("safetensors", "safetensors", True),
+                               ("matplotlib", "matplotlib (report plots)", True)], None)
+    if pool == "npu":
+        if site.backends.get("npu", "local") == "local":
+            return _import_checks([("mindspore", "MindSpore (CPU backend)", True)], None) + [
+                Check("backend", True, "local: the embedded MindSpore trainer on CPU", required=False)]
+        framework = site.mindformers
+        if framework.ssh_host is not None:
+            return [_remote(framework)]
+        return (_import_checks([("mindspore", "MindSpore", True)], framework.python)
+                + [_cann(), _checkout("MindFormers checkout", framework, "run_mindformer.py")]
+                + _patches("mindformers", framework, apply_patches))
+    if site.backends.get("gpu", "local") == "local":
+        return _import_checks([("torch", "torch (CPU backend)", True), ("fla", "flash-linear-attention", True),
+                               ("megatron.core", "megatron-core", True)], None) + [
+            Check("backend", True, "local: the embedded PyTorch trainer on CPU", required=False)]
+    framework = site.megatron
+    if framework.ssh_host is not None:
+        return [_remote(framework)]
+    return (_import_checks([("torch:cuda", "torch with CUDA", True), ("transformer_engine", "TransformerEngine", True),
+                            ("fla", "flash-linear-attention", True)], framework.python)
+            + [_checkout("Megatron-LM checkout", framework, "pretrain_gpt.py")]
+            + _patches("megatron", framework, apply_patches))
+
+
+def missing(checks: list[Check]) -> list[Check]:
+    return [c for c in checks if c.required and not c.ok]

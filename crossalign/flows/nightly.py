@@ -1,0 +1,90 @@
+"""The nightly regression flow: align dense and MoE, compare with the previous night, keep a history.
+
+Each model runs as an alignment subflow with the run id ``nightly-<date>-<model>`` (so a
+re-triggered night resumes instead of starting over). The history lives in
+``<store>/nightly/history.json`` with a trend plot ``trend.png`` beside it; the flow fails when
+any model fails or regresses, which is what the nightly failure automation alerts on.
+"""
+
+from __future__ import annotations
+
+from datetime import date, datetime, timezone
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from crossalign.flows.alignment import Mode, alignment
+from crossalign.site import load_site
+from crossalign.store import RunStore, read_json
+from crossalign.tasks.compare import SUMMARY
+from crossalign.tasks.errors import StepFailed
+from crossalign.tasks.prepare import resolve_config
+from crossalign.tasks.regression import (
+    DEFAULT_FLOOR,
+    DEFAULT_TOLERANCE,
+    find_regressions,
+    history_entry,
+    history_rows,
+    load_history,
+    plot_trend,
+    previous_entry,
+    record,
+)
+
+
+class NightlyRegression(StepFailed):
+    """A night whose alignment failed or got worse than the night before."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("nightly", "; ".join(problems))
+        self.problems = problems
+
+
+@flow(name="nightly")
+def nightly(configs: list[str] | None = None, overrides: list[str] | None = None, store: str | None = None,
+            mode: Mode = "distributed", night: str | None = None, tolerance: float = DEFAULT_TOLERANCE,
+            floor: float = DEFAULT_FLOOR, retries: int = 2, retry_delay_s: float = 30.0) -> dict[str, Any]:
+    """Align each of ``configs`` (default: qwen35_dense and qwen35_moe) and fail on a regression.
+
+    ``night`` (YYYY-MM-DD, default today in UTC) names the runs and the history entries.
+    """
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    logger = get_run_logger()
+    configs = configs or ["qwen35_dense", "qwen35_moe"]
+    today = date.fromisoformat(night) if night else datetime.now(timezone.utc).date()
+    root = RunStore(store or load_site().store)
+    history_path = root.root / "nightly" / "history.json"
+    history = load_history(history_path)
+
+    entries, problems = [], []
+    for config in configs:
+        model = resolve_config(config, overrides or [])[0].model.name
+        run_id = f"nightly-{today:%Y%m%d}-{model}"
+        state = alignment(config=config, run_id=run_id, overrides=list(overrides or []), store=str(root.root),
+                          mode=mode, retries=retries, retry_delay_s=retry_delay_s, return_state=True)
+        summary, error = None, None
+        if root.exists(run_id) and root.run(run_id).is_done("compare"):
+            summary = read_json(root.run(run_id).step_dir("compare") / SUMMARY)
+        if not state.is_completed() and summary is None:
+            error = state.message or state.name
+        entry = history_entry(model, run_id, today, summary, error)
+        found = find_regressions(previous_entry(history, model, today.isoformat()), entry,
+                                 tolerance=tolerance, floor=floor)
+        if entry["verdict"] not in (None, "pass"):
+            found.insert(0, f"{model}: verdict {entry['verdict']}")
+        logger.info(f"{model}: verdict {entry['verdict']}; " + ("; ".join(found) if found else "no regression"))
+        entries.append(entry)
+        problems += found
+
+    history = record(history_path, entries)
+    trend = plot_trend(history, history_path.with_name("trend.png"))
+    create_table_artifact(history_rows(history), key="nightly-history",
+                          description=f"nightly alignment history ({history_path})")
+    create_markdown_artifact(
+        "# nightly " + today.isoformat() + "\n\n"
+        + ("\n".join(f"- {p}" for p in problems) if problems else "no regression") + f"\n\ntrend plot: `{trend}`\n",
+        key="nightly-report", description="regressions against the previous night")
+    if problems:
+        raise NightlyRegression(problems)
+    return {"night": today.isoformat(), "entries": entries, "history": str(history_path), "trend": str(trend)}
