@@ -174,8 +174,11 @@ def test_train_through_run_script_and_launcher(tmp_path: Path, checkout: Path):
     log = request.log_path.read_text()
     assert "builder wrapped by launcher: True" in log  # 0.16.1: the MTP+GDN launcher ran pretrain_gpt.py
     script = (request.output_dir / "run_megatron.sh").read_text()
+    launcher = request.output_dir / LAUNCHER.name  # copied next to the run script (shared with remote hosts)
+    assert launcher.read_text() == LAUNCHER.read_text()
     for needle in ("export NCCL_ALGO=Ring", "export CUBLAS_WORKSPACE_CONFIG=:4096:8", "torch.distributed.run",
-                   "--nproc_per_node 1", str(LAUNCHER), "--load", str(request.init_checkpoint), "--seed 1234"):
+                   "--nproc_per_node 1", str(launcher), "--load", str(request.init_checkpoint), "--seed 1234",
+                   "[ -e pretrain_gpt.py ] ||"):
         assert needle in script, needle
     args = (request.output_dir / "megatron_args.txt").read_text().split()
     assert args[:2] == ["--transformer-impl", "transformer_engine"]
@@ -186,6 +189,16 @@ def test_failed_unpickle_with_exit_zero_is_an_error(tmp_path: Path, checkout: Pa
     backend = MegatronBackend(site=site_for(checkout, FAKE_MEGATRON="bad-pickle"))
     with pytest.raises(BackendRunError, match="could not unpickle.*train.log:2"):
         backend.train(request_for(tmp_path, []))
+
+
+@pytest.mark.timeout(60)
+def test_missing_checkout_on_the_running_host_stops_the_script(tmp_path: Path, checkout: Path):
+    # a remote checkout is not read from here; the run script checks it where it runs
+    (tmp_path / "elsewhere").mkdir()
+    site = SiteConfig(megatron=FrameworkSite(path=tmp_path / "elsewhere", python=sys.executable, ssh_host="gpu01"),
+                      ssh_hosts={"gpu01": {"hostname": "10.0.0.12"}})
+    with pytest.raises(BackendRunError, match=r"exited with status 2.*elsewhere/pretrain_gpt.py not found"):
+        MegatronBackend(site=site).train(request_for(tmp_path, []))
 
 
 def test_setup_errors(tmp_path: Path, checkout: Path):

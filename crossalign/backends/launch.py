@@ -40,6 +40,7 @@ class RunScript:
     cwd: Path
     env: Mapping[str, str]
     title: str
+    required_files: Sequence[str] = ()  # relative to cwd; the script stops with a clear message if one is missing
 
     def render(self) -> str:
         lines = [
@@ -50,6 +51,9 @@ class RunScript:
         ]
         lines += [f"export {key}={shlex.quote(str(value))}" for key, value in sorted(self.env.items())]
         lines.append(f"cd {shlex.quote(str(self.cwd))}")
+        for name in self.required_files:
+            message = shlex.quote(f"{self.cwd}/{name} not found on $(hostname)")
+            lines.append(f"[ -e {shlex.quote(name)} ] || {{ echo {message} >&2; exit 2; }}")
         lines.append("exec " + " \\\n    ".join(self._command_lines()))
         return "\n".join(lines) + "\n"
 

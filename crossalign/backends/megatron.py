@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Sequence
@@ -291,17 +292,23 @@ class MegatronBackend:
         return self._site
 
     def checkout(self, config: AlignmentConfig) -> tuple[Path, tuple[int, ...]]:
-        """The Megatron-LM checkout of the site config and its megatron-core version, checked against the config."""
+        """The Megatron-LM checkout of the site config and its megatron-core version, checked against the config.
+
+        On a remote host (``megatron.ssh_host``) the checkout cannot be read from here: the config's
+        version is used and the run script itself checks that the checkout is there.
+        """
         path = self.site.megatron.path
         if path is None:
             raise BackendSetupError("site config: megatron.path (the Megatron-LM checkout) is not set")
         path = Path(path).expanduser()
+        wanted = parse_version(config.training.megatron_core_version)
+        if self.site.megatron.ssh_host is not None:
+            return path, wanted
         if not (path / "pretrain_gpt.py").exists():
             raise BackendSetupError(f"megatron.path {path}: no pretrain_gpt.py there (not a Megatron-LM checkout)")
         version = megatron_core_version(path)
         if version is None:
             raise BackendSetupError(f"{path}: megatron/core/package_info.py gives no version")
-        wanted = parse_version(config.training.megatron_core_version)
         if version[:2] != wanted[:2]:
             raise BackendSetupError(
                 f"{path} is megatron-core {'.'.join(map(str, version))} but training.megatron_core_version is "
@@ -310,12 +317,17 @@ class MegatronBackend:
         return path, version
 
     def run_script(self, request: TrainRequest, args: Sequence[str]) -> RunScript:
+        """The run script; our launcher, where needed, is copied into the step folder (shared with remote hosts)."""
         checkout, version = self.checkout(request.config)
         site = self.site.megatron
+        entry = entry_point(checkout, version)
+        if entry == LAUNCHER:
+            request.output_dir.mkdir(parents=True, exist_ok=True)
+            entry = Path(shutil.copy(LAUNCHER, request.output_dir / LAUNCHER.name))
         env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "MEGATRON_LM_PATH": str(checkout), **site.env}
         command = [site.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                   "--nproc_per_node", str(site.nproc_per_node), str(entry_point(checkout, version)), *args]
-        return RunScript(command=command, cwd=checkout, env=env,
+                   "--nproc_per_node", str(site.nproc_per_node), str(entry), *args]
+        return RunScript(command=command, cwd=checkout, env=env, required_files=("pretrain_gpt.py",),
                          title=f"Megatron-LM {'.'.join(map(str, version))}: {request.config.model.name}, "
                                f"{request.iterations} iterations")
 

@@ -306,11 +306,12 @@ class MindFormersBackend:
         return self._site
 
     def checkout(self) -> Path:
+        """The MindFormers checkout (checked here unless it lives on a remote host; the run script checks too)."""
         path = self.site.mindformers.path
         if path is None:
             raise BackendSetupError("site config: mindformers.path (the MindFormers checkout) is not set")
         path = Path(path).expanduser()
-        if not (path / "run_mindformer.py").exists():
+        if self.site.mindformers.ssh_host is None and not (path / "run_mindformer.py").exists():
             raise BackendSetupError(f"mindformers.path {path}: no run_mindformer.py there (not a MindFormers checkout)")
         return path
 
@@ -328,7 +329,7 @@ class MindFormersBackend:
                        f"--local_worker_num={nproc}", f"--master_port={MSRUN_PORT}",
                        f"--log_dir={request.output_dir / 'msrun_log'}", "--join=True",
                        f"--tail_worker_log={nproc - 1}", *entry]
-        return RunScript(command=command, cwd=request.output_dir, env=env,
+        return RunScript(command=command, cwd=request.output_dir, env=env, required_files=(entry[0],),
                          title=f"MindFormers pynative: {request.config.model.name}, {request.mode} run, "
                                f"{request.iterations} steps on {nproc} card(s)")
 

@@ -258,7 +258,7 @@ class LocalMegatronBackend:
         from crossalign.checkpoint.megatron import read_megatron_checkpoint
         from crossalign.data.order import batches_for
 
-        checkpoint = read_megatron_checkpoint(Path(request.init_checkpoint))
+        checkpoint = read_megatron_checkpoint(Path(request.init_checkpoint), request.config.model)
         batches = batches_for("megatron", request.config.training, request.data.prefix,
                               num_samples=request.iterations * request.config.training.global_batch_size)
         return run_training(request, checkpoint.state, checkpoint.iteration, batches)
