@@ -14,6 +14,7 @@ the same script on another host that mounts the same storage.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from dataclasses import dataclass
@@ -52,8 +53,8 @@ class RunScript:
         lines += [f"export {key}={shlex.quote(str(value))}" for key, value in sorted(self.env.items())]
         lines.append(f"cd {shlex.quote(str(self.cwd))}")
         for name in self.required_files:
-            message = shlex.quote(f"{self.cwd}/{name} not found on $(hostname)")
-            lines.append(f"[ -e {shlex.quote(name)} ] || {{ echo {message} >&2; exit 2; }}")
+            where = re.sub(r'([\\"$`])', r"\\\1", f"{self.cwd}/{name}")
+            lines.append(f'[ -e {shlex.quote(name)} ] || {{ echo "{where} not found on $(hostname)" >&2; exit 2; }}')
         lines.append("exec " + " \\\n    ".join(self._command_lines()))
         return "\n".join(lines) + "\n"
 
