@@ -208,3 +208,29 @@ def test_setup_errors(tmp_path: Path, checkout: Path):
     info.write_text(info.read_text().replace("MINOR = 16", "MINOR = 17"))
     with pytest.raises(BackendSetupError, match="megatron-core 0.17.1 but training.megatron_core_version is 0.16.1"):
         MegatronBackend(site=site_for(checkout)).train(request_for(tmp_path, []))
+
+
+def test_launcher_swaps_the_layer_specs_only_during_an_mtp_gdn_build():
+    spec = importlib.util.spec_from_file_location("pretrain_qwen35", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+
+    builders = type(sys)("gpt_builders")
+
+    def standard_specs(config, *args, **kwargs):
+        return ["standard"]
+
+    def gpt_builder(args, pre_process, post_process, vp_stage=None):
+        return builders.get_gpt_decoder_layer_specs(None, vp_stage=vp_stage)[-1]
+
+    builders.get_gpt_decoder_layer_specs, builders.gpt_builder = standard_specs, gpt_builder
+    wrapped = launcher.wrap_builder(builders)
+    assert wrapped.__wrapped__ is gpt_builder
+
+    seen = []
+    launcher.hybrid_block_layer_specs = lambda config, *a, vp_stage=None, **k: seen.append(vp_stage) or ["gdn", "attn"]
+    gdn = type("Args", (), {"experimental_attention_variant": "gated_delta_net", "mtp_num_layers": 1})()
+    assert wrapped(gdn, True, True, vp_stage=0) == "attn" and seen == [0]
+    assert builders.get_gpt_decoder_layer_specs is standard_specs  # restored after the build
+    plain = type("Args", (), {"experimental_attention_variant": None, "mtp_num_layers": 1})()
+    assert wrapped(plain, True, True) == "standard"
