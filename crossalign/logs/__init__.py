@@ -38,6 +38,7 @@ def parse_log(path: Path, core_version: str = "0.16.1", mtp_loss_scaling_factor:
     """Parse a training log of either framework, detected from its content."""
     path = Path(path)
     text, truncated = read_log_text(path)
-    if detect_format(path, text) == "megatron":
+    fmt = detect_format(path, text)
+    if fmt == "megatron":
         return parse_megatron_text(path, text, core_version, truncated)
-    return parse_mindformers_text(path, text, mtp_loss_scaling_factor, truncated)
+    return parse_mindformers_text(path, text, mtp_loss_scaling_factor, truncated, fmt)

@@ -61,8 +61,11 @@ def _graph_regex(ranked: bool) -> re.Pattern:
     return re.compile(pattern, re.M)
 
 
-def _has_rank_prefixes(text: str) -> bool:
-    return ("[rank" in text or "[default" in text) and bool(_RANK_PREFIX_RE.search(text))
+def _has_rank_prefixes(text: str, mark: str) -> bool:
+    """Whether the step lines carry ``[rankN]:`` prefixes, judged by the first one (no full scan)."""
+    at = text.find(mark)
+    line_start = text.rfind("\n", 0, at) + 1
+    return bool(_RANK_PREFIX_RE.match(text, line_start))
 
 
 def _mtp_count(text: str) -> int:
@@ -86,7 +89,7 @@ def _pick_rank(ranks: tuple[str, ...], usable: np.ndarray, notes: list[str]) -> 
 
 def _parse_pynative(path: Path, text: str, notes: list[str]) -> tuple[np.ndarray, dict, int, list[str]]:
     mtp_count = _mtp_count(text)
-    ranked = _has_rank_prefixes(text)
+    ranked = _has_rank_prefixes(text, "{ step:[")
     rows = _pynative_regex(mtp_count, ranked).findall(text)
     if not rows:
         raise LogFormatError(f"{path}: no MindFormers pynative step line could be read")
@@ -115,7 +118,7 @@ def _parse_pynative(path: Path, text: str, notes: list[str]) -> tuple[np.ndarray
 
 def _parse_graph(path: Path, text: str, notes: list[str], attrs: dict,
                  mtp_loss_scaling_factor: float | None) -> tuple[np.ndarray, dict, int, list[str]]:
-    ranked = _has_rank_prefixes(text)
+    ranked = _has_rank_prefixes(text, "{ Epoch:[")
     rows = _graph_regex(ranked).findall(text)
     if not rows:
         raise LogFormatError(f"{path}: no MindFormers graph-mode step line could be read")
@@ -156,15 +159,16 @@ def _parse_graph(path: Path, text: str, notes: list[str], attrs: dict,
 
 
 def parse_mindformers_text(path: Path, text: str, mtp_loss_scaling_factor: float | None = None,
-                           truncated: bool = False) -> pd.DataFrame:
-    """Parse the text of a MindFormers log (``path`` only names it in messages and attrs)."""
+                           truncated: bool = False, fmt: str | None = None) -> pd.DataFrame:
+    """Parse the text of a MindFormers log (``path`` only names it in messages and attrs);
+    ``fmt`` is the format when the caller already detected it."""
     path = Path(path)
     notes: list[str] = []
     attrs: dict = {}
-    if "{ step:[" in text and PYNATIVE_RE.search(text):
+    if fmt == "mindformers-pynative" or (fmt is None and "{ step:[" in text and PYNATIVE_RE.search(text)):
         fmt, offset = "mindformers-pynative", 1
         steps, columns, mtp_count, logged = _parse_pynative(path, text, notes)
-    elif "{ Epoch:[" in text and GRAPH_RE.search(text):
+    elif fmt == "mindformers-graph" or (fmt is None and "{ Epoch:[" in text and GRAPH_RE.search(text)):
         fmt, offset = "mindformers-graph", 0
         steps, columns, mtp_count, logged = _parse_graph(path, text, notes, attrs, mtp_loss_scaling_factor)
     else:
