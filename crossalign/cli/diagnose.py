@@ -1,9 +1,103 @@
-"""CLI commands of this area (registered on the main app)."""
+"""``crossalign diagnose``: find the first module whose output differs between the two sides, and say why."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
+
+from crossalign.cli.common import console, user_errors
+
+DIAGNOSE_DIR = "diagnose"
 
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to app."""
+    app.command("diagnose")(diagnose_command)
+
+
+def _from_run(run_dir: Path):
+    """(config, MindFormers checkpoint, Megatron checkpoint, dataset prefix or None) of a run store folder."""
+    from crossalign.store import RunStore, StoreError
+
+    run_dir = Path(run_dir).expanduser().absolute()
+    run = RunStore(run_dir.parent).run(run_dir.name)
+    ms_ckpt, mg_ckpt = run.step_dir("cast-bf16") / "checkpoint", run.step_dir("convert") / "checkpoint"
+    for step, path in (("cast-bf16", ms_ckpt), ("convert", mg_ckpt)):
+        if not path.is_dir():
+            raise StoreError(f"run {run.run_id!r}: step {step} has no checkpoint at {path} (run it first)")
+    try:
+        prefix = run.dataset.prefix
+    except StoreError:
+        prefix = None
+    return run.config, ms_ckpt, mg_ckpt, prefix
+
+
+def diagnose_command(
+    model: Optional[str] = typer.Option(None, "--model", help="Model config name or YAML path (default with --run: "
+                                        "the run's config)."),
+    input_dir: Optional[Path] = typer.Option(None, "--input", help="MindFormers checkpoint (the reference side)."),
+    converted: Optional[Path] = typer.Option(None, "--converted", help="Megatron checkpoint converted from --input."),
+    run_dir: Optional[Path] = typer.Option(None, "--run", help="A run store folder: uses 02-cast-bf16/checkpoint, "
+                                           "03-convert/checkpoint and the run's dataset."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder for the dumps and the reports (default: "
+                                       "./diagnose, or RUN/diagnose with --run)."),
+    mindspore_dump: Optional[Path] = typer.Option(None, "--mindspore-dump", help="Compare this existing dump "
+                                                  "(e.g. from a real MindFormers run) instead of running the models."),
+    megatron_dump: Optional[Path] = typer.Option(None, "--megatron-dump", help="The Megatron-side dump to compare "
+                                                 "with --mindspore-dump."),
+    precision: str = typer.Option("fp32", "--precision", help="Divergence thresholds for dumps given with "
+                                  "--mindspore-dump/--megatron-dump: fp32 (our CPU models) or bf16 (real runs)."),
+    seq: Optional[int] = typer.Option(None, "--seq", help="Tokens per sample (default: training.seq_length)."),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Samples (default: training.micro_batch_size)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Indexed dataset prefix (or its folder): use its first "
+                                        "batch (default: random tokens; with --run, the run's dataset)."),
+    seed: int = typer.Option(1234, "--seed", help="Seed of the random tokens."),
+    tensors: bool = typer.Option(True, "--tensors/--stats-only", help="Keep the output tensors in the dumps "
+                                 "(exact cosine and errors) or only their statistics."),
+    rows: Optional[int] = typer.Option(None, "--rows", help="Print only this many rows past the first divergence "
+                                       "(the CSV/HTML always hold all)."),
+) -> None:
+    """Dump every module's output on both sides for the same batch, compare them module by module in forward
+    order, write the table as CSV and HTML, and name the first diverging module with its likely cause.
+
+    Exit status 0 when no module diverges and the checkpoint loads strictly, 1 otherwise, 2 for unusable input.
+    """
+    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.config import ConfigError, load_config
+    from crossalign.diagnose.dump import DumpError
+    from crossalign.diagnose.mapping import MappingError
+    from crossalign.diagnose.report import print_diagnosis
+    from crossalign.diagnose.run import compare_dump_folders, diagnose, write_reports
+    from crossalign.diagnose.sides import SideError
+    from crossalign.store import StoreError
+
+    with user_errors(CheckpointError, ConfigError, SideError, DumpError, MappingError, StoreError, OSError):
+        if (mindspore_dump is None) != (megatron_dump is None):
+            raise SideError("--mindspore-dump and --megatron-dump go together")
+        config = load_config(model) if model is not None else None
+        if run_dir is not None:
+            if input_dir is not None or converted is not None:
+                raise SideError("--run takes the checkpoints from the run: drop --input/--converted")
+            run_config, input_dir, converted, run_data = _from_run(run_dir)
+            config = config or run_config
+            data = data or run_data
+            out = out or Path(run_dir) / DIAGNOSE_DIR
+        if config is None:
+            raise SideError("--model is required (or --run, which records its config)")
+        out = out or Path(DIAGNOSE_DIR)
+        if mindspore_dump is not None:
+            diagnosis = compare_dump_folders(mindspore_dump, megatron_dump, config.model,
+                                             config.training.megatron_core_version, precision)
+            result = write_reports(diagnosis, out, f"crossalign diagnose: {config.model.name}")
+        else:
+            if input_dir is None or converted is None:
+                raise SideError("give --input and --converted (or --run, or the two --*-dump folders)")
+            with console.status("starting") as status:
+                result = diagnose(config, input_dir, converted, out, seq=seq, batch=batch, data=data, seed=seed,
+                                  save_tensors=tensors, on_stage=lambda stage: status.update(stage))
+    print_diagnosis(result.diagnosis, console, limit=rows)
+    console.print(f"reports: {result.csv}, {result.html}, {result.summary}", highlight=False)
+    if result.diagnosis.diverged or result.diagnosis.load_problems:
+        raise typer.Exit(1)

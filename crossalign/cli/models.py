@@ -1,9 +1,83 @@
-"""CLI commands of this area (registered on the main app)."""
+"""``crossalign selfcheck``: prove a conversion with one forward pass of both reference models."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+from typing import Optional
+
 import typer
+
+from crossalign.cli.common import console, user_errors
 
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to app."""
+    app.command("selfcheck")(selfcheck_command)
+
+
+def _number(value: float | None, digits: str) -> str:
+    if value is None:
+        return "-"
+    return "nan" if math.isnan(value) else format(value, digits)
+
+
+def selfcheck_command(
+    model: str = typer.Option(..., "--model", help="Model config name or YAML path."),
+    input_dir: Optional[Path] = typer.Option(None, "--input", help="MindFormers checkpoint (default: a random "
+                                             "model of the config, written and converted here)."),
+    converted: Optional[Path] = typer.Option(None, "--converted", help="Megatron checkpoint converted from --input "
+                                             "(default: convert --input here)."),
+    fault: Optional[str] = typer.Option(None, "--fault", help="Inject a known conversion bug into the conversion "
+                                        "made here, to see how it shows."),
+    seq: Optional[int] = typer.Option(None, "--seq", help="Tokens per sample (default: training.seq_length)."),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Samples (default: training.micro_batch_size)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Indexed dataset prefix (or its folder): use its first "
+                                        "batch instead of random tokens."),
+    seed: int = typer.Option(1234, "--seed", help="Seed of the random weights and tokens."),
+) -> None:
+    """Load a MindFormers checkpoint into the MindSpore model and its conversion into the PyTorch (Megatron)
+    model, both strictly, run one batch through both in fp32 and compare every output.
+
+    Exit status 0 when every output is within tolerance, 1 when not (or when the converted
+    checkpoint does not load strictly), 2 for unusable input.
+    """
+    from rich.markup import escape
+    from rich.table import Table
+
+    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.checkpoint.faults import FAULTS
+    from crossalign.config import ConfigError, load_config
+    from crossalign.diagnose.sides import SideError
+    from crossalign.selfcheck import selfcheck
+
+    with user_errors(CheckpointError, ConfigError, SideError, OSError):
+        if fault is not None and fault not in FAULTS:
+            raise CheckpointError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
+        config = load_config(model)
+        with console.status("starting") as status:
+            report = selfcheck(config, input_dir, converted, fault, seq, batch, data=data, seed=seed,
+                               on_stage=lambda stage: status.update(stage))
+
+    console.print(f"{report.config}: batch {report.batch_shape[0]} x {report.batch_shape[1]} ({report.batch_source})\n"
+                  f"  MindSpore: {report.mindspore_checkpoint}\n  Megatron:  {report.megatron_checkpoint}",
+                  highlight=False)
+    if report.load_error is not None:
+        console.print(f"[bold red]FAIL[/] the Megatron checkpoint does not load strictly "
+                      f"(Megatron would keep random weights):\n{escape(report.load_error)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    table = Table("output", "MindSpore", "Megatron", "max abs", "max rel", "cosine", "limit", "")
+    for check in report.outputs:
+        table.add_row(check.name, _number(check.mindspore, ".6f"), _number(check.megatron, ".6f"),
+                      _number(check.max_abs, ".3e"), _number(check.max_rel, ".3e"),
+                      _number(check.cosine, ".7f"), check.limit,
+                      "[green]ok[/]" if check.passed else "[bold red]FAIL[/]")
+    console.print(table)
+    timing = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in report.seconds.items())
+    if report.passed:
+        console.print(f"[bold green]PASS[/] every output within tolerance ({timing})", highlight=False)
+        return
+    console.print("[bold red]FAIL[/] " + escape("; ".join(report.failures())) +
+                  "\n  localise it with: crossalign diagnose --model ... --input ... --converted ...",
+                  highlight=False, soft_wrap=True)
+    raise typer.Exit(1)

@@ -7,6 +7,7 @@ same tokens; this module holds that shared part. Frameworks are imported on firs
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -168,7 +169,9 @@ def _load_fitting(net: Any, state: Mapping[str, Any]) -> list[str]:
 def run_megatron(net: Any, batch: Batch) -> Outputs:
     import torch
 
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # flash-linear-attention says on import that it falls back to CPU: expected here.
+        warnings.filterwarnings("ignore", message="Triton is not supported")
         logits, lm_loss, mtp, aux = net(torch.from_numpy(batch.input_ids), torch.from_numpy(batch.labels),
                                         torch.from_numpy(batch.loss_mask))
     return Outputs(logits=logits.double().numpy(), lm_loss=float(lm_loss), mtp_losses=mtp.double().numpy().reshape(-1),

@@ -1,0 +1,125 @@
+"""The conversion self-check: a correct conversion passes at fp32 parity, every known fault is caught.
+
+The MindSpore reference output is computed once per config (MindSpore pynative is the slow
+part); each fault then needs one PyTorch forward.
+"""
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron
+from crossalign.checkpoint.errors import CheckpointError
+from crossalign.checkpoint.faults import FAULTS, inject_fault
+from crossalign.checkpoint.layout import random_mindformers_state
+from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.checkpoint.rules import conversion_plan
+from crossalign.cli import app
+from crossalign.config import load_config
+from crossalign.diagnose.sides import (SideError, build_megatron, build_mindspore, random_batch, run_megatron,
+                                       run_mindspore)
+from crossalign.selfcheck import compare_outputs, selfcheck
+
+SEQ, BATCH = 32, 1
+CONFIGS = ("qwen35_dense_tiny", "qwen35_moe_tiny")
+# faults the strict load must catch, with a key it must name
+KEY_FAULTS = {"a_log_not_renamed": "self_attention.A_log", "wrong_mtp_prefix": "mtp.layers.0.transformer_layer."}
+
+
+def applicable_faults(name):
+    """The faults that break some rule of this config (e.g. no routed experts in a dense model)."""
+    config = load_config(name)
+    plan = conversion_plan(config.model)
+    found = []
+    for fault in FAULTS:
+        try:
+            inject_fault(plan, fault, config.model, config.training.megatron_core_version)
+        except CheckpointError:
+            continue
+        found.append(fault)
+    return found
+
+
+CASES = [(name, fault) for name in CONFIGS for fault in [None, *applicable_faults(name)]]
+
+
+@pytest.fixture(scope="module")
+def references():
+    """name -> (config, MindFormers state, batch, MindSpore outputs), each computed once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            config = load_config(name)
+            state = random_mindformers_state(config.model, seed=7)
+            batch = random_batch(config.model, SEQ, BATCH, seed=3)
+            cache[name] = config, state, batch, run_mindspore(build_mindspore(config.model, state), batch)
+        return cache[name]
+    return get
+
+
+def test_every_fault_applies_to_some_tiny_config():
+    assert {fault for _, fault in CASES if fault} == set(FAULTS)
+
+
+@pytest.mark.parametrize("name, fault", CASES)
+def test_each_fault_is_caught_and_a_correct_conversion_passes(references, name, fault):
+    config, state, batch, ms_out = references(name)
+    converted = mindformers_to_megatron(state, config.model, fault=fault)
+    core = config.training.megatron_core_version
+    if fault in KEY_FAULTS:
+        with pytest.raises(SideError, match="Megatron load") as caught:
+            build_megatron(config.model, converted, core, strict=True)
+        assert KEY_FAULTS[fault] in str(caught.value)
+        return
+    net, problems = build_megatron(config.model, converted, core, strict=True)
+    assert problems == []
+    checks = {c.name: c for c in compare_outputs(ms_out, run_megatron(net, batch))}
+    if fault is None:
+        assert all(c.passed for c in checks.values()), [c for c in checks.values() if not c.passed]
+        assert checks["lm loss"].max_rel <= 1e-5 and checks["mtp_1 loss"].max_rel <= 1e-5
+    else:
+        failed = [name for name, c in checks.items() if not c.passed]
+        assert "logits" in failed and "lm loss" in failed, (fault, checks)
+
+
+def test_selfcheck_converts_a_random_model_and_passes():
+    report = selfcheck("qwen35_dense_tiny", seq=SEQ, batch=BATCH)
+    assert report.passed, report.failures()
+    by_name = {c.name: c for c in report.outputs}
+    assert set(by_name) == {"logits", "lm loss", "mtp_1 loss", "aux loss"}
+    assert by_name["lm loss"].max_rel <= 1e-5 and by_name["mtp_1 loss"].max_rel <= 1e-5
+    assert by_name["aux loss"].mindspore == 0.0
+
+
+def test_selfcheck_with_a_fault_names_the_failing_outputs():
+    report = selfcheck("qwen35_moe_tiny", seq=SEQ, batch=BATCH, fault="routed_expert_not_transposed")
+    assert not report.passed and report.load_error is None
+    failed = {line.split(":")[0] for line in report.failures()}
+    assert {"logits", "lm loss", "mtp_1 loss"} <= failed
+
+
+def _checkpoints(tmp_path: Path, name: str, fault=None):
+    config = load_config(name)
+    state = random_mindformers_state(config.model, seed=1)
+    ms = tmp_path / "ms"
+    write_mindformers_checkpoint(ms, 1, state, None, default_common(1))
+    convert_checkpoint(config.model, "ms2mg", ms, tmp_path / "mg", fault=fault)
+    return ms, tmp_path / "mg"
+
+
+def test_cli_exit_status(tmp_path):
+    runner = CliRunner()
+    ms, mg = _checkpoints(tmp_path, "qwen35_dense_tiny", fault="a_log_not_renamed")
+    failed = runner.invoke(app, ["selfcheck", "--model", "qwen35_dense_tiny", "--input", str(ms), "--converted",
+                                 str(mg), "--seq", str(SEQ), "--batch", "1"])
+    assert failed.exit_code == 1, failed.output
+    assert "does not load strictly" in failed.output and "decoder.layers.0.self_attention.A_log" in failed.output
+
+    usage = runner.invoke(app, ["selfcheck", "--model", "qwen35_dense_tiny", "--converted", str(mg)])
+    assert usage.exit_code == 2 and "--input" in usage.output
+
+    wrong_model = runner.invoke(app, ["selfcheck", "--model", "qwen35_moe_tiny", "--input", str(ms), "--converted",
+                                      str(mg), "--seq", str(SEQ), "--batch", "1"])
+    assert wrong_model.exit_code == 2 and "mlp.experts.weight1" in wrong_model.output
