@@ -26,6 +26,8 @@ Tensors are [B, H, T, d] (q, k: d = dk; v: d = dv) and [B, H, T] for g and beta,
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 from mindspore import Tensor, mint, ops
 
@@ -56,10 +58,12 @@ def _pad_time(x: Tensor, pad: int) -> Tensor:
     return mint.cat([x, ops.zeros(tuple(shape), x.dtype)], dim=2)
 
 
-def _chunk_masks(length: int) -> tuple[Tensor, Tensor]:
+@lru_cache(maxsize=None)
+def _chunk_constants(length: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Lower-triangular mask with the diagonal, without it, and the identity, for one chunk length."""
     lower_inclusive = np.tril(np.ones((length, length), np.float32))
     strictly_lower = np.tril(np.ones((length, length), np.float32), -1)
-    return Tensor(lower_inclusive), Tensor(strictly_lower)
+    return Tensor(lower_inclusive), Tensor(strictly_lower), Tensor(np.eye(length, dtype=np.float32))
 
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
@@ -81,7 +85,7 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     g = g.reshape(batch, heads, chunks, chunk)
     beta = beta.reshape(batch, heads, chunks, chunk)
 
-    lower_inclusive, strictly_lower = _chunk_masks(chunk)
+    lower_inclusive, strictly_lower, identity = _chunk_constants(chunk)
     g_cum = ops.cumsum(g, axis=-1)
     # exp(G_t - G_s) only where s <= t; above the diagonal the difference is positive and could
     # overflow, so it is zeroed before the exp and the result masked after.
@@ -90,7 +94,7 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     k_t = k.swapaxes(-1, -2)
     beta_col = beta.reshape(batch, heads, chunks, chunk, 1)
     a = mint.matmul(k, k_t) * decay * strictly_lower * beta_col
-    solve = ops.inverse(a + Tensor(np.eye(chunk, dtype=np.float32)))
+    solve = ops.inverse(a + identity)
     u_local = mint.matmul(solve, v * beta_col)
     growth = mint.exp(g_cum).reshape(batch, heads, chunks, chunk, 1)
     w = mint.matmul(solve, k * (beta_col * growth))

@@ -1,0 +1,295 @@
+"""The embedded MindFormers stand-in: trains the MindSpore Qwen3.5 on CPU and logs like MindFormers pynative.
+
+What it reproduces of MindFormers' pynative trainer (SPEC sections 6 and 7):
+
+* the sample order of ``crossalign.data.order.batches_for("mindformers", ...)``;
+* objective = lm_loss + mtp_loss_scaling_factor / mtp_num_layers * sum(mtp_losses) + aux_loss,
+  averaged over the micro batches of a global batch (gradient accumulation);
+* AdamW with bias correction, decoupled weight decay, none on 1-D parameters; global gradient
+  norm clipping (the logged grad_norm is the norm before clipping);
+* ConstantWarmUpLR: step k applies init + (max - init) * (k - 1) / W while k - 1 < W, then max;
+  the log line of step k shows the lr of step k + 1, as the pynative LossCallback does;
+* one ``LossCallback`` line per step with the logger prefix; ``loss`` is the lm loss only,
+  ``mtp_1_loss`` unscaled, ``load_balancing_loss`` the mean unscaled aux loss per MoE layer;
+* a checkpoint 2.0 save (fp32 weights, Adam moments, learning_rate, global_step, common.json).
+
+The optimizer runs in numpy fp32: MindSpore's CPU AdamW (``mint.optim.AdamW``) has no kernel and
+``nn.AdamWeightDecay`` has no bias correction, and per-parameter PyNative ops would cost more
+than the model itself.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from crossalign.backends.base import TrainRequest, TrainResult
+from crossalign.config import AlignmentConfig, TrainingConfig
+
+LOGGER_SOURCE = "mindformers/pynative/callback/loss_callback.py:337"
+CLIP_EPSILON = 1e-6
+
+
+class TrainingSetupError(ValueError):
+    """A request the MindSpore trainer cannot run (missing checkpoint, wrong mode, bad batches)."""
+
+
+_runtime_configured = False
+
+
+def configure_cpu_runtime(threads: int | None = None) -> None:
+    """Synchronous op launch and a bounded CPU thread pool, once per process.
+
+    MindSpore's default is an asynchronous launch queue and 25 kernel threads; on a small,
+    shared machine every op then waits milliseconds for a thread hand-off. Launching
+    synchronously with one thread per available core is about ten times faster for this model.
+    """
+    global _runtime_configured
+    if _runtime_configured:
+        return
+    import mindspore as ms
+    from mindspore.device_context.cpu.op_tuning import RuntimeConf
+
+    if not RuntimeConf.get_instance().is_op_threads_num_configured():
+        ms.device_context.cpu.op_tuning.threads_num(threads or len(os.sched_getaffinity(0)))
+    ms.runtime.launch_blocking()
+    _runtime_configured = True
+
+
+def warmup_lr(training: TrainingConfig, step: int) -> float:
+    """The lr ConstantWarmUpLR gives optimizer step ``step`` (1-based)."""
+    warmup = training.lr_warmup_iters
+    done = step - 1
+    if done < warmup:
+        return training.lr_warmup_init + (training.lr - training.lr_warmup_init) * done / warmup
+    return training.lr
+
+
+class AdamW:
+    """torch-style AdamW (bias-corrected moments, decoupled weight decay) over named fp32 arrays."""
+
+    def __init__(self, params: dict[str, np.ndarray], training: TrainingConfig):
+        self.beta1 = np.float32(training.adam_beta1)
+        self.beta2 = np.float32(training.adam_beta2)
+        self.eps = np.float32(training.adam_eps)
+        self.weight_decay = np.float32(training.weight_decay)
+        self.step_count = 0
+        self.exp_avg = {name: np.zeros_like(p) for name, p in params.items()}
+        self.exp_avg_sq = {name: np.zeros_like(p) for name, p in params.items()}
+        # Norm weights, A_log and dt_bias (every 1-D parameter; the model has no biases) are not decayed.
+        self.decayed = {name for name, p in params.items() if p.ndim > 1}
+
+    def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray], lr: float) -> None:
+        """Update ``params`` in place."""
+        self.step_count += 1
+        lr = np.float32(lr)
+        correction1 = np.float32(1.0 - float(self.beta1) ** self.step_count)
+        correction2 = np.float32(1.0 - float(self.beta2) ** self.step_count)
+        for name, param in params.items():
+            grad = grads[name]
+            m, v = self.exp_avg[name], self.exp_avg_sq[name]
+            m *= self.beta1
+            m += (1 - self.beta1) * grad
+            v *= self.beta2
+            v += (1 - self.beta2) * grad * grad
+            if name in self.decayed:
+                param *= 1 - lr * self.weight_decay
+            param -= lr * (m / correction1) / (np.sqrt(v / correction2) + self.eps)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The moments under MindFormers' optimizer names (adam_m.<param>, adam_v.<param>)."""
+        out = {f"adam_m.{name}": m for name, m in self.exp_avg.items()}
+        out.update({f"adam_v.{name}": v for name, v in self.exp_avg_sq.items()})
+        return out
+
+
+def clip_by_global_norm(grads: dict[str, np.ndarray], max_norm: float) -> float:
+    """Scale ``grads`` in place so their global L2 norm is at most ``max_norm``; return the norm before."""
+    norm = math.sqrt(sum(float(np.dot(g.ravel().astype(np.float64), g.ravel().astype(np.float64)))
+                         for g in grads.values()))
+    coeff = max_norm / (norm + CLIP_EPSILON)
+    if coeff < 1.0:
+        for g in grads.values():
+            g *= np.float32(coeff)
+    return norm
+
+
+def loss_callback_line(*, step: int, total: int, consumed_samples: int, global_batch_size: int, loss: float,
+                       step_time_ms: int, load_balancing_loss: float | None, mtp_losses: Sequence[float],
+                       lr: float, grad_norm: float) -> str:
+    """The message of MindFormers' pynative LossCallback (without the logger prefix)."""
+    parts = [f"step:[{step:5d}/{total:5d}]", f"consumed_samples: {consumed_samples}",
+             f"global_batch_size: {global_batch_size}", f"loss: {loss:10.6f}", f"per_step_time: {step_time_ms:6d}ms"]
+    if load_balancing_loss is not None:
+        parts.append(f"load_balancing_loss: {load_balancing_loss:10.6f}")
+    parts.extend(f"mtp_{i + 1}_loss: {value:10.6f}" for i, value in enumerate(mtp_losses))
+    parts.append(f"lr: {lr:10.6e}")
+    parts.append("grad_norm: NaN" if math.isnan(grad_norm) else f"grad_norm: {grad_norm:10.6f}")
+    return "{ " + ", ".join(parts) + " }"
+
+
+def logger_prefix(log_dir: Path, now: datetime | None = None) -> str:
+    """``<asctime> - mindformers<real path of the log dir>[<source>] - INFO - ``, as MindFormers' stdout handler."""
+    now = now or datetime.now()
+    asctime = now.strftime("%Y-%m-%d %H:%M:%S") + f",{now.microsecond // 1000:03d}"
+    return f"{asctime} - mindformers{os.path.realpath(log_dir)}[{LOGGER_SOURCE}] - INFO - "
+
+
+class _Trainer:
+    """One training run: the net, its optimizer and the step loop."""
+
+    def __init__(self, config: AlignmentConfig, state: dict):
+        import mindspore as ms
+
+        from crossalign.backends.local.ms_model import Qwen35Model, load_mindformers_state
+
+        configure_cpu_runtime()
+        self.config = config
+        self.model = config.model
+        self.training = config.training
+        self.net = Qwen35Model(self.model)
+        load_mindformers_state(self.net, state)
+        self.params = dict(self.net.parameters_and_names())
+        self.names = [p.name for p in self.net.trainable_params()]
+        self.values = {name: param.asnumpy().copy() for name, param in self.params.items()}
+        self.optimizer = AdamW(self.values, self.training)
+        mtp_layers = self.model.mtp_num_layers
+        self.mtp_weight = self.model.mtp_loss_scaling_factor / mtp_layers if mtp_layers else 0.0
+        self.moe_layers = (self.model.num_layers + mtp_layers) if self.model.is_moe else 0
+
+        def objective(input_ids, labels, loss_mask):
+            _, lm_loss, mtp_losses, aux_loss = self.net(input_ids, labels, loss_mask)
+            total = lm_loss + aux_loss
+            if mtp_layers:
+                total = total + mtp_losses.sum() * self.mtp_weight
+            return total, lm_loss, mtp_losses, aux_loss
+
+        self.value_and_grad = ms.value_and_grad(objective, None, self.net.trainable_params(), has_aux=True)
+
+    def step(self, tokens: np.ndarray, lr: float) -> dict[str, object]:
+        """One optimizer step on a global batch [gbs, seq+1]; returns the metrics of the log line."""
+        from mindspore import Tensor
+
+        micro = self.training.micro_batch_size
+        micro_steps = tokens.shape[0] // micro
+        grads = {name: np.zeros_like(self.values[name]) for name in self.names}
+        lm_total, aux_total = 0.0, 0.0
+        mtp_total = np.zeros(self.model.mtp_num_layers)
+        for i in range(micro_steps):
+            chunk = tokens[i * micro: (i + 1) * micro]
+            ids = Tensor(chunk[:, :-1].astype(np.int32))
+            labels = Tensor(chunk[:, 1:].astype(np.int32))
+            mask = Tensor(np.ones(labels.shape, np.float32))
+            (_, lm_loss, mtp_losses, aux_loss), micro_grads = self.value_and_grad(ids, labels, mask)
+            for name, grad in zip(self.names, micro_grads):
+                grads[name] += grad.asnumpy()
+            lm_total += float(lm_loss.asnumpy())
+            aux_total += float(aux_loss.asnumpy())
+            mtp_total += mtp_losses.asnumpy()
+        if micro_steps > 1:  # the objective is the mean over micro batches
+            for grad in grads.values():
+                grad /= np.float32(micro_steps)
+        grad_norm = clip_by_global_norm(grads, self.training.clip_grad)
+        self.optimizer.step({name: self.values[name] for name in self.names}, grads, lr)
+        for name in self.names:
+            self.params[name].set_data(Tensor(self.values[name]))
+        return {
+            "lm_loss": lm_total / micro_steps,
+            "mtp_losses": list(mtp_total / micro_steps),
+            "aux_loss": aux_total / micro_steps,
+            "grad_norm": grad_norm,
+        }
+
+    def load_balancing_loss(self, aux_loss: float) -> float | None:
+        """Mean unscaled aux loss per MoE layer (MindFormers' ``load_balancing_loss``); None for dense."""
+        if not self.moe_layers or self.model.moe_aux_loss_coeff == 0:
+            return None
+        return aux_loss / (self.model.moe_aux_loss_coeff * self.moe_layers)
+
+
+def initial_state(request: TrainRequest) -> dict:
+    """Random weights for a base run, the weights of ``init_checkpoint`` for an align run."""
+    from crossalign.checkpoint.layout import random_mindformers_state
+    from crossalign.checkpoint.mindformers import read_mindformers_checkpoint
+
+    model = request.config.model
+    if request.mode == "base":
+        return random_mindformers_state(model, request.config.training.seed)
+    if request.mode == "align":
+        if request.init_checkpoint is None:
+            raise TrainingSetupError("init_checkpoint: an align run needs the MindFormers checkpoint to start from")
+        return read_mindformers_checkpoint(Path(request.init_checkpoint)).model_state()
+    raise TrainingSetupError(f"mode: {request.mode!r} is not 'base' or 'align'")
+
+
+def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> TrainResult:
+    """Train ``request.iterations`` steps on ``batches`` (item i: int64 tokens [gbs, seq+1] of step i+1)."""
+    import torch
+
+    from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+
+    training = request.config.training
+    total = request.iterations
+    gbs = training.global_batch_size
+    if len(batches) < total:
+        raise TrainingSetupError(f"batches: {len(batches)} global batches for {total} steps")
+    expected_shape = (gbs, training.seq_length + 1)
+    started = time.perf_counter()
+    trainer = _Trainer(request.config, initial_state(request))
+    request.output_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = request.output_dir / "log"
+    with open(request.log_path, "w") as log:
+        for step in range(1, total + 1):
+            tokens = np.asarray(batches[step - 1])
+            if tokens.shape != expected_shape:
+                raise TrainingSetupError(f"batch of step {step}: shape {tokens.shape}, expected {expected_shape}")
+            step_start = time.perf_counter()
+            metrics = trainer.step(tokens, warmup_lr(training, step))
+            step_time_ms = int((time.perf_counter() - step_start) * 1000)
+            logged_lr = warmup_lr(training, step + 1)  # pynative prints the lr of the next step
+            balancing = trainer.load_balancing_loss(metrics["aux_loss"])
+            line = loss_callback_line(step=step, total=total, consumed_samples=step * gbs, global_batch_size=gbs,
+                                      loss=metrics["lm_loss"], step_time_ms=step_time_ms,
+                                      load_balancing_loss=balancing, mtp_losses=metrics["mtp_losses"],
+                                      lr=logged_lr, grad_norm=metrics["grad_norm"])
+            log.write(logger_prefix(log_dir) + line + "\n")
+            log.flush()
+            if request.on_step is not None:
+                reported = {"lm_loss": metrics["lm_loss"], "lr": logged_lr, "grad_norm": metrics["grad_norm"],
+                            "step_time_ms": float(step_time_ms)}
+                reported.update({f"mtp_{i + 1}_loss": v for i, v in enumerate(metrics["mtp_losses"])})
+                if balancing is not None:
+                    reported["aux_loss"] = balancing
+                request.on_step(step, total, reported)
+
+    checkpoint_dir = None
+    if request.mode == "base" or request.save:
+        model_state = {name: torch.from_numpy(value) for name, value in trainer.values.items()}
+        optimizer_state = {name: torch.from_numpy(value) for name, value in trainer.optimizer.state().items()}
+        optimizer_state["learning_rate"] = torch.tensor(warmup_lr(training, total + 1), dtype=torch.float32)
+        optimizer_state["global_step"] = torch.tensor([total], dtype=torch.int32)
+        write_mindformers_checkpoint(request.checkpoint_dir, total, model_state, optimizer_state,
+                                     default_common(total, gbs))
+        checkpoint_dir = request.checkpoint_dir
+    return TrainResult(log_path=request.log_path, checkpoint_dir=checkpoint_dir, iterations=total,
+                       seconds=time.perf_counter() - started)
+
+
+class LocalMindFormersBackend:
+    """MindFormers pynative on CPU: our MindSpore Qwen3.5, MindFormers' sample order, logs and checkpoints."""
+
+    name = "local-mindformers"
+
+    def train(self, request: TrainRequest) -> TrainResult:
+        from crossalign.data.order import batches_for
+
+        training = request.config.training
+        batches = batches_for("mindformers", training, request.data.prefix,
+                              num_samples=request.iterations * training.global_batch_size)
+        return train_on_batches(request, batches)
