@@ -124,3 +124,13 @@ def test_prefix_helper_matches_the_logger_layout():
     prefix = mindformers_prefix(MINDFORMERS_PYNATIVE_SOURCE)
     assert prefix.endswith("[mindformers/pynative/callback/loss_callback.py:337] - INFO - ")
     assert " - mindformers/" in prefix
+
+
+def test_lines_laid_out_differently_still_parse(tmp_path):
+    plain = pynative_line(1, 2, consumed_samples=8, global_batch_size=8, loss=11.0, per_step_time_ms=10,
+                          lr=1e-5, grad_norm=2.0)
+    with_aux = pynative_line(2, 2, consumed_samples=16, global_batch_size=8, loss=10.5, per_step_time_ms=10,
+                             lr=1e-5, grad_norm=2.0, load_balancing_loss=1.25)
+    df = parse_log(write_log(tmp_path / "mixed.log", [plain, with_aux]))
+    assert df["lm_loss"].tolist() == [11.0, 10.5]
+    assert math.isnan(df["aux_loss"].iloc[0]) and df["aux_loss"].iloc[1] == 1.25

@@ -87,18 +87,57 @@ def _pick_rank(ranks: tuple[str, ...], usable: np.ndarray, notes: list[str]) -> 
     return usable & (ids == chosen)
 
 
+def _first_line_regex(text: str, mtp_count: int) -> tuple[re.Pattern, list[str]] | None:
+    """A strict regex for lines laid out exactly like the first step line (the common case, faster than
+    the general one), and the columns its groups capture; None when that line is a non-last stage's."""
+    match = _pynative_regex(mtp_count, False).search(text)
+    if match is None or match[2].startswith(_NA):
+        return None
+    start, end = match.span()
+    fields = text[text.index("], ", start) + 3: end].split(", ")
+    wanted = {"loss": "lm_loss", "load_balancing_loss": "aux_loss", "lr": "lr", "grad_norm": "grad_norm",
+              **{f"mtp_{k}_loss": mtp_column(k) for k in range(1, mtp_count + 1)}}
+    pattern, names = r"\{ step:\[\s*(\d+)/\s*\d+\]", []
+    for field in fields:
+        label = field.split(":", 1)[0]
+        if label == "per_step_time":
+            pattern += r", per_step_time:\s*(\d+)ms"
+            names.append("step_time_ms")
+        elif label in wanted:
+            pattern += rf", {label}:\s*([^,\s]+)"
+            names.append(wanted[label])
+        else:
+            pattern += r", [^,\n]*"
+    return re.compile(pattern), names
+
+
+def _rows(text: str, mtp_count: int, ranked: bool) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The captured fields of every step line (rank first when ranked) and the column of each group."""
+    general = ["lm_loss", "step_time_ms", "aux_loss", *(mtp_column(k) for k in range(1, mtp_count + 1)),
+               "lr", "grad_norm", "rest"]
+    strict = None if ranked else _first_line_regex(text, mtp_count)
+    if strict is not None:
+        rows = strict[0].findall(text)
+        if len(rows) == text.count("{ step:["):
+            return rows, strict[1]
+    return _pynative_regex(mtp_count, ranked).findall(text), general
+
+
 def _parse_pynative(path: Path, text: str, notes: list[str]) -> tuple[np.ndarray, dict, int, list[str]]:
     mtp_count = _mtp_count(text)
     ranked = _has_rank_prefixes(text, "{ step:[")
-    rows = _pynative_regex(mtp_count, ranked).findall(text)
+    rows, names = _rows(text, mtp_count, ranked)
     if not rows:
         raise LogFormatError(f"{path}: no MindFormers pynative step line could be read")
     cols = list(zip(*rows))
     if ranked:
         ranks, cols = cols[0], cols[1:]
-    if any("loss: " in rest or "lr: " in rest or "grad_norm: " in rest for rest in cols[-1]):
-        raise LogFormatError(f"{path}: a MindFormers pynative step line has its fields in an unknown order")
-    usable = np.fromiter((not v.startswith(_NA) for v in cols[1]), dtype=bool, count=len(rows))
+    if names[-1] == "rest":
+        if any("loss: " in rest or "lr: " in rest or "grad_norm: " in rest for rest in cols[-1]):
+            raise LogFormatError(f"{path}: a MindFormers pynative step line has its fields in an unknown order")
+        names, cols = names[:-1], cols[:-1]
+    loss = cols[1 + names.index("lm_loss")]
+    usable = np.fromiter((not v.startswith(_NA) for v in loss), dtype=bool, count=len(rows))
     if ranked:
         usable = _pick_rank(ranks, usable, notes)
     if not usable.any():
@@ -109,10 +148,8 @@ def _parse_pynative(path: Path, text: str, notes: list[str]) -> tuple[np.ndarray
         keep = np.flatnonzero(usable)
         cols = [[col[i] for i in keep] for col in cols]
     steps = np.fromiter(map(int, cols[0]), dtype=np.int64, count=len(cols[0]))
-    names = ["lm_loss", "step_time_ms", "aux_loss", *(mtp_column(k) for k in range(1, mtp_count + 1)),
-             "lr", "grad_norm"]
-    columns = {name: floats(col) for name, col in zip(names, cols[1:-1])}
-    logged = [name for name, col in zip(names, cols[1:-1]) if name != "step_time_ms" and any(col)]
+    columns = {name: floats(col) for name, col in zip(names, cols[1:])}
+    logged = [name for name, col in zip(names, cols[1:]) if name != "step_time_ms" and any(col)]
     return steps, columns, mtp_count, logged
 
 
