@@ -1,0 +1,279 @@
+"""Layer-by-layer diagnosis: the dump format and its hooks, the module mapping from the conversion rules,
+and the localisation of every conversion fault to the module it breaks.
+
+The MindSpore dump of each tiny config is made once; each fault then needs one PyTorch forward.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron
+from crossalign.checkpoint.errors import CheckpointError
+from crossalign.checkpoint.faults import FAULTS, inject_fault
+from crossalign.checkpoint.layout import random_mindformers_state
+from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.checkpoint.rules import conversion_plan
+from crossalign.cli import app
+from crossalign.config import load_config
+from crossalign.diagnose.causes import KNOWN_CAUSES
+from crossalign.diagnose.compare import compare_arrays
+from crossalign.diagnose.dump import DumpError, read_dump, tensor_stats
+from crossalign.diagnose.hooks import install_mindspore_dump_hooks, install_torch_dump_hooks
+from crossalign.diagnose.mapping import MappingError, module_mapping, module_mapping_from_rules
+from crossalign.diagnose.run import compare_dump_folders, dump_megatron, dump_mindspore
+from crossalign.diagnose.sides import random_batch
+
+SEQ, BATCH = 32, 1
+
+# Where each fault must first show (layer 0 of the tiny configs is a GDN layer).
+EXPECTED = {
+    ("qwen35_dense_tiny", "dense_fc1_not_deinterleaved"): "decoder.layers.0.mlp.linear_fc1",
+    ("qwen35_dense_tiny", "gate_up_swapped"): "decoder.layers.0.mlp.linear_fc1",
+    ("qwen35_dense_tiny", "in_proj_wrong_order"): "decoder.layers.0.self_attention",  # in_proj is split: not paired
+    ("qwen35_dense_tiny", "conv1d_wrong_axis"): "decoder.layers.0.self_attention",
+    ("qwen35_dense_tiny", "a_log_not_renamed"): "decoder.layers.0.self_attention",
+    ("qwen35_dense_tiny", "wrong_mtp_prefix"): "mtp.layers.0.",
+    ("qwen35_moe_tiny", "routed_expert_not_transposed"): "decoder.layers.0.mlp.experts",
+    ("qwen35_moe_tiny", "gate_up_swapped"): "decoder.layers.0.mlp.experts",
+    ("qwen35_moe_tiny", "shared_fc1_not_deinterleaved"): "decoder.layers.0.mlp.shared_experts.linear_fc1",
+    ("qwen35_moe_tiny", "in_proj_wrong_order"): "decoder.layers.0.self_attention.in_proj",
+    ("qwen35_moe_tiny", "conv1d_wrong_axis"): "decoder.layers.0.self_attention",
+    ("qwen35_moe_tiny", "a_log_not_renamed"): "decoder.layers.0.self_attention",
+    ("qwen35_moe_tiny", "wrong_mtp_prefix"): "mtp.layers.0.",
+}
+
+
+# ---- dump format and hooks ---------------------------------------------------------------------------
+
+
+class Wrapper(torch.nn.Module):
+    """Like Megatron's DDP wrapper: the model sits under ``module``; ``proj`` runs twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 4), "act": torch.nn.Tanh()})
+
+    def forward(self, x):
+        proj = self.module["proj"]
+        return self.module["act"](proj(proj(x)))
+
+
+def test_torch_hooks_write_one_batch_in_forward_order(tmp_path):
+    torch.manual_seed(0)
+    net, x = Wrapper(), torch.randn(2, 3, 4)
+    session = install_torch_dump_hooks(net, tmp_path / "dump", meta={"note": "unit"})
+    assert not (tmp_path / "dump").exists()  # nothing that looks complete before the forward ends
+    expected = net(x)
+    net(x + 1)  # a second batch is not recorded: the hooks removed themselves
+    assert session.finished
+    dump = read_dump(tmp_path / "dump")
+    assert [e.key for e in dump.entries] == ["proj", "proj#1", "act"]  # "module." stripped, calls numbered
+    assert dump.meta == {"note": "unit"} and dump.framework == "torch"
+    act = dump.by_key["act"]
+    np.testing.assert_array_equal(dump.tensor(act, 0), expected.detach().numpy())
+    stats = act.outputs[0]
+    assert stats["shape"] == [2, 3, 4] and stats["dtype"] == "float32"
+    assert stats["norm"] == pytest.approx(float(expected.norm()), rel=1e-6)
+    assert not list(tmp_path.glob(".dump*"))  # no partial folder left
+
+
+def test_tensor_stats_match_numpy_and_count_non_finite():
+    values = np.array([[1.0, -3.0, np.nan], [2.0, np.inf, 0.5]], dtype=np.float32)
+    stats = tensor_stats(values)
+    finite = np.array([1.0, -3.0, 2.0, 0.5])
+    assert (stats["nan"], stats["inf"], stats["numel"]) == (1, 1, 6)
+    assert stats["mean"] == pytest.approx(finite.mean()) and stats["std"] == pytest.approx(finite.std())
+    assert stats["abs_max"] == 3.0 and stats["norm"] == pytest.approx(np.linalg.norm(finite))
+    assert stats["quantiles"]["0.5"] == pytest.approx(np.median(finite))
+
+
+def test_mindspore_hooks_flatten_tuple_outputs_and_skip_none(tmp_path):
+    import mindspore as ms
+    from mindspore import nn
+
+    class Pair(nn.Cell):
+        def construct(self, x):
+            return x * 2, None, (x + 1,)
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.pair = Pair()
+
+        def construct(self, x):
+            doubled, _, (plus,) = self.pair(x)
+            return doubled + plus
+
+    net = Net()
+    install_mindspore_dump_hooks(net, tmp_path / "dump", save_tensors=False)
+    net(ms.Tensor(np.ones((2, 2), np.float32)))
+    dump = read_dump(tmp_path / "dump")
+    (entry,) = dump.entries
+    assert entry.key == "pair" and [o["mean"] for o in entry.outputs] == [2.0, 2.0]
+    assert dump.tensor(entry, 0) is None  # statistics only
+
+
+def test_read_dump_names_what_is_wrong(tmp_path):
+    with pytest.raises(DumpError, match="index.json is missing"):
+        read_dump(tmp_path)
+    (tmp_path / "index.json").write_text(json.dumps({"format": "msprobe"}))
+    with pytest.raises(DumpError, match="format is 'msprobe'"):
+        read_dump(tmp_path)
+
+
+def test_compare_arrays():
+    a = np.array([1.0, -2.0, 4.0])
+    assert compare_arrays(a, a) == (1.0, 0.0, 0.0)
+    cosine, max_abs, max_rel = compare_arrays(a, a + np.array([0.0, 0.4, 0.0]))
+    assert max_abs == pytest.approx(0.4) and max_rel == pytest.approx(0.1) and cosine < 1
+
+
+# ---- module mapping -----------------------------------------------------------------------------------
+
+
+def test_mapping_from_rules_pairs_renames_and_skips_what_differs():
+    rules = [
+        (["layers.0.input_layernorm.weight"], ["layers.0.self_attention.linear_qkv.layer_norm_weight"]),
+        (["layers.0.self_attention.linear_qkv.weight"], ["layers.0.self_attention.linear_qkv.weight"]),
+        (["mtp.0.transformer_layer.self_attention.linear_proj.weight"], ["mtp.0.inner.self_attention.out_proj.weight"]),
+        (["layers.0.mlp.experts.weight1"], ["layers.0.mlp.experts.linear_fc1.weight0",
+                                            "layers.0.mlp.experts.linear_fc1.weight1"]),
+        (["layers.0.attn.a.weight", "layers.0.attn.b.weight"], ["layers.0.attn.ab.weight"]),
+    ]
+    mapping = module_mapping_from_rules(rules)
+    assert mapping.pairs["layers.0.self_attention.linear_qkv"] == "layers.0.self_attention.linear_qkv"
+    assert "layers.0.input_layernorm" not in mapping.pairs  # fused norm: no Megatron output of its own
+    assert mapping.fused["layers.0.input_layernorm"] == "layers.0.self_attention.linear_qkv"
+    assert mapping.pairs["mtp.0.transformer_layer.self_attention.linear_proj"] == "mtp.0.inner.self_attention.out_proj"
+    assert mapping.pairs["mtp.0.transformer_layer"] == "mtp.0.inner"
+    assert mapping.pairs["layers.0.mlp.experts"] == "layers.0.mlp.experts"
+    assert "layers.0.attn.a" not in mapping.pairs and mapping.pairs["layers.0.attn"] == "layers.0.attn"
+    with pytest.raises(MappingError, match="pairs with both"):
+        module_mapping_from_rules(rules + [(["layers.0.mlp.experts.weight2"], ["layers.0.moe.experts.fc2.weight"])])
+
+
+def test_mapping_of_the_real_rules_follows_the_core_version_and_fc1_layout():
+    model = load_config("qwen35_dense").model
+    old, new = module_mapping(model, "0.16.1"), module_mapping(model, "0.17.0")
+    assert old.pairs["mtp.layers.0.transformer_layer.mlp"] == "mtp.layers.0.transformer_layer.mlp"
+    assert new.pairs["mtp.layers.0.transformer_layer.mlp"] == "mtp.layers.0.mtp_model_layer.mlp"
+    assert new.pairs["decoder.layers.0.self_attention.linear_proj"] == "decoder.layers.0.self_attention.out_proj"
+    order = new.output_permutations["decoder.layers.7.mlp.linear_fc1"]
+    ffn = model.ffn_hidden_size
+    np.testing.assert_array_equal(order, np.concatenate([np.arange(0, 2 * ffn, 2), np.arange(1, 2 * ffn, 2)]))
+    assert "decoder.layers.7.mlp.linear_fc2" not in new.output_permutations
+
+
+def test_every_fault_has_a_known_cause():
+    named = {fault for cause in KNOWN_CAUSES for fault in cause.faults}
+    assert named == set(FAULTS)
+    assert {fault for _, fault in EXPECTED} == set(FAULTS)
+
+
+# ---- localisation of each fault ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """name -> (config, state, batch, MindSpore dump folder), each made once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            config = load_config(name)
+            state = random_mindformers_state(config.model, seed=11)
+            batch = random_batch(config.model, SEQ, BATCH, seed=5)
+            folder = dump_mindspore(config.model, state, batch, tmp_path_factory.mktemp(name) / "mindspore")
+            cache[name] = config, state, batch, folder
+        return cache[name]
+    return get
+
+
+def _applies(name, fault):
+    config = load_config(name)
+    try:
+        inject_fault(conversion_plan(config.model), fault, config.model, config.training.megatron_core_version)
+    except CheckpointError:
+        return False
+    return True
+
+
+def test_expected_table_covers_every_applicable_fault():
+    for name in ("qwen35_dense_tiny", "qwen35_moe_tiny"):
+        assert {f for f in FAULTS if _applies(name, f)} == {f for n, f in EXPECTED if n == name}
+
+
+@pytest.mark.parametrize("name", ["qwen35_dense_tiny", "qwen35_moe_tiny"])
+def test_a_correct_conversion_shows_no_divergence(references, name, tmp_path):
+    config, state, batch, ms_dump = references(name)
+    converted = mindformers_to_megatron(state, config.model)
+    mg_dump, problems = dump_megatron(config.model, converted, batch, tmp_path / "megatron", "0.16.1")
+    diagnosis = compare_dump_folders(ms_dump, mg_dump, config.model, "0.16.1")
+    assert problems == [] and not diagnosis.diverged, diagnosis.hint()
+    compared = {row.megatron for row in diagnosis.rows}
+    assert {"decoder.layers.0.self_attention", "decoder.layers.3.self_attention.linear_qkv", "output_layer#1",
+            "mtp.layers.0.transformer_layer.mlp"} <= compared
+    assert all(row.cosine > 1 - 1e-6 for row in diagnosis.rows)
+
+
+@pytest.mark.parametrize("name, fault", sorted(EXPECTED))
+def test_each_fault_is_localised_to_the_module_it_breaks(references, name, fault, tmp_path):
+    config, state, batch, ms_dump = references(name)
+    converted = mindformers_to_megatron(state, config.model, fault=fault)
+    mg_dump, problems = dump_megatron(config.model, converted, batch, tmp_path / "megatron", "0.16.1")
+    diagnosis = compare_dump_folders(ms_dump, mg_dump, config.model, "0.16.1", load_problems=problems)
+    first = diagnosis.first_divergence
+    assert first is not None
+    assert first.megatron.startswith(EXPECTED[name, fault]), diagnosis.hint()
+    assert fault in {f for cause in diagnosis.causes for f in cause.faults}, diagnosis.hint()
+    if fault in ("a_log_not_renamed", "wrong_mtp_prefix"):
+        assert problems and "missing keys" in problems[0]  # what Megatron's load_return would have said
+
+
+def test_statistics_alone_still_localise_a_fault(references, tmp_path):
+    config, state, batch, ms_dump = references("qwen35_moe_tiny")
+    converted = mindformers_to_megatron(state, config.model, fault="routed_expert_not_transposed")
+    mg_dump, _ = dump_megatron(config.model, converted, batch, tmp_path / "megatron", "0.16.1", save_tensors=False)
+    diagnosis = compare_dump_folders(ms_dump, mg_dump, config.model, "0.16.1")
+    assert diagnosis.first_divergence.megatron == "decoder.layers.0.mlp.experts"
+    assert diagnosis.first_divergence.basis == "stats"
+
+
+def test_cli_diagnose_a_run_folder_and_existing_dumps(references, tmp_path):
+    from crossalign.store import RunStore
+
+    config, state, batch, ms_dump = references("qwen35_dense_tiny")
+    run = RunStore(tmp_path / "store").create_run("r1", config, config_source="test", parameters={},
+                                                  code_version={})
+    ms_ckpt = run.step_dir("cast-bf16") / "checkpoint"
+    write_mindformers_checkpoint(ms_ckpt, 1, {k: v.to(torch.bfloat16) for k, v in state.items()}, None,
+                                 default_common(1))
+    convert_checkpoint(config.model, "ms2mg", ms_ckpt, run.step_dir("convert") / "checkpoint",
+                       fault="dense_fc1_not_deinterleaved")
+    runner = CliRunner()
+    result = runner.invoke(app, ["diagnose", "--run", str(run.path), "--seq", str(SEQ), "--batch", "1",
+                                 "--rows", "3"])
+    assert result.exit_code == 1, result.output
+    assert "decoder.layers.0.mlp.linear_fc1" in result.output and "de-interleaved" in result.output
+    out = run.path / "diagnose"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["first_divergence"]["megatron"] == "decoder.layers.0.mlp.linear_fc1"
+    assert "dense_fc1_not_deinterleaved" in summary["causes"][0]["faults"]
+    assert "decoder.layers.0.mlp.linear_fc1" in (out / "diagnosis.csv").read_text()
+    assert "class='first'" in (out / "diagnosis.html").read_text()
+
+    # Existing dumps (as real runs would write them) of a correct conversion: no divergence, exit 0.
+    mg_dump, _ = dump_megatron(config.model, mindformers_to_megatron(state, config.model), batch,
+                               tmp_path / "megatron", "0.16.1")
+    good = runner.invoke(app, ["diagnose", "--model", "qwen35_dense_tiny", "--mindspore-dump", str(ms_dump),
+                               "--megatron-dump", str(mg_dump), "--out", str(tmp_path / "good")])
+    assert good.exit_code == 0, good.output
+    assert "no module diverges" in good.output
+
+    missing = runner.invoke(app, ["diagnose", "--model", "qwen35_dense_tiny", "--mindspore-dump", str(ms_dump)])
+    assert missing.exit_code == 2 and "go together" in missing.output
