@@ -11,7 +11,9 @@ comparison needs to know about the log travels in ``DataFrame.attrs``:
 - ``notes``: sentences for the report (restarts, corrections, totals);
 - ``invalid``: reasons that make the run invalid whatever its losses (a failed Megatron load);
 - ``corrections``: the Megatron >= 0.16 first-two-iterations corrections, raw and corrected values;
-- ``duplicate_steps`` / ``restart_steps``: steps logged more than once (identical / different values).
+- ``duplicate_steps`` / ``restart_steps``: steps logged more than once (identical / different values);
+- Megatron only: ``core_version``; graph mode only: ``loss_is_total`` (only the total loss was
+  printed) and ``unusable`` (series printed in a form that cannot be compared, with the reason).
 """
 
 from __future__ import annotations
