@@ -1,0 +1,142 @@
+"""Embedded mode end to end: `crossalign run` with Prefect's ephemeral API, a step SIGKILLed while it
+writes (retried as an infrastructure failure), then re-runs that skip finished steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from crossalign.store import STEP_NAMES, RunStore
+
+pytestmark = pytest.mark.slow
+
+CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))
+TINY = ["--set", "training.base_train_iters=3", "--set", "training.train_iters=5"]
+RUN_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("embedded")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(root / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               CROSSALIGN_SITE=str(root / "no-site.yaml"))
+    (root / "no-site.yaml").write_text("{}\n")
+    return {"root": root, "store": root / "store", "env": env}
+
+
+def _run(embedded, *args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([CROSSALIGN, *args], env=embedded["env"], cwd=embedded["root"], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"crossalign run ended ({proc.returncode}) before {what}:\n{proc.stdout.read()}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_killed_step_is_retried_and_nothing_partial_is_consumed(embedded):
+    store = RunStore(embedded["store"])
+    started = time.monotonic()
+    proc = subprocess.Popen([CROSSALIGN, "run", "qwen35_dense_tiny", "--store", str(store.root), "--run-id", "k1",
+                             "--retry-delay", "1", *TINY], env=embedded["env"], cwd=embedded["root"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = store.root / "k1"
+
+    def pynative_writing():
+        partials = list(run_dir.glob(".05-pynative-train.partial-*"))
+        attempt = run_dir / ".attempts" / "pynative-train.json"
+        if partials and (partials[0] / "train.log").exists() and (partials[0] / "train.log").stat().st_size \
+                and attempt.exists():
+            return json.loads(attempt.read_text())["pid"]
+        return None
+
+    pid = _wait_for(pynative_writing, RUN_TIMEOUT_S, "pynative-train writing its log", proc)
+    os.kill(pid, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    seconds = time.monotonic() - started
+    assert proc.returncode == 0, output
+    assert "pynative-train failed" in output and "killed by signal 9" in output
+    assert "verdict: pass" in output and "report.html" in output
+
+    run = store.run("k1")
+    assert all(run.is_done(step) for step in STEP_NAMES)
+    assert not list(run.path.glob(".*partial*")), "the killed attempt's staging folder must be gone"
+    manifest = run.manifest("pynative-train")
+    assert manifest["pid"] != pid, "the committed output comes from the retry, not the killed process"
+    assert manifest["outputs"] and all(o["path"] != "" for o in manifest["outputs"])
+    log = (run.path / "logs" / "pynative-train.log").read_text()
+    assert log.count("step pynative-train done") == 1
+    summary = json.loads((run.step_dir("compare") / "summary.json").read_text())
+    assert summary["verdict"] == "pass"
+    (embedded["root"] / "timings.json").write_text(json.dumps({"embedded_run_with_retry_s": round(seconds, 1)}))
+    print(f"\nembedded run with one killed step: {seconds:.1f} s")
+
+
+def test_same_run_id_skips_every_finished_step(embedded):
+    run = RunStore(embedded["store"]).run("k1")
+    if not run.is_done("compare"):
+        pytest.skip("needs the finished run of the previous test")
+    before = {step: run.manifest(step) for step in STEP_NAMES}
+    done = _run(embedded, "run", "qwen35_dense_tiny", "--store", str(run.store.root), "--run-id", "k1", *TINY)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("already done, skipped") == 6
+    assert {step: run.manifest(step) for step in STEP_NAMES} == before
+
+    status = _run(embedded, "status", "k1", "--store", str(run.store.root), timeout=60)
+    assert status.returncode == 0 and status.stdout.count(" done ") == 6 and "verdict: pass" in status.stdout
+    runs = _run(embedded, "runs", "--store", str(run.store.root), timeout=60)
+    assert "k1" in runs.stdout and "6/6" in runs.stdout
+
+
+def test_failed_verdict_exits_1_without_retry_and_reruns_only_compare(embedded):
+    run = RunStore(embedded["store"]).run("k1")
+    if not run.is_done("compare"):
+        pytest.skip("needs the finished run of the previous test")
+    before = {step: run.manifest(step) for step in STEP_NAMES}
+    gpu_log = run.step_dir("megatron-train") / "train.log"
+    original = gpu_log.read_text()
+    # a Megatron log whose losses are 3% higher: what a broken conversion looks like to the comparator
+    gpu_log.write_text(original.replace("lm loss: 7.", "lm loss: 7.2").replace("lm loss: 6.", "lm loss: 6.2"))
+    try:
+        failed = _run(embedded, "rerun", "k1", "--step", "compare", "--store", str(run.store.root),
+                      "--retry-delay", "1")
+    finally:
+        gpu_log.write_text(original)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "verdict: fail" in failed.stdout
+    for step in STEP_NAMES[:-1]:
+        assert run.manifest(step) == before[step], f"{step} must be skipped"
+    assert run.manifest("compare")["details"]["verdict"] == "fail"
+    assert (run.path / "logs" / "compare.log").read_text().count("step compare done") == 2, "no retry of a verdict"
+
+
+def test_bad_input_exits_2(embedded):
+    store = str(embedded["store"])
+    unknown = _run(embedded, "run", "no_such_model", "--store", store, timeout=60)
+    assert unknown.returncode == 2 and "no_such_model" in unknown.stderr
+    bad_key = _run(embedded, "run", "qwen35_dense_tiny", "--store", store, "--set", "training.trian_iters=3",
+                   timeout=60)
+    assert bad_key.returncode == 2 and "training.trian_iters: unknown field" in bad_key.stderr
+    bad_value = _run(embedded, "run", "qwen35_dense_tiny", "--store", store, "--set", "training.train_iters=0",
+                     timeout=60)
+    assert bad_value.returncode == 2 and "training.train_iters" in bad_value.stderr
+    bad_step = _run(embedded, "rerun", "k1", "--step", "convrt", "--store", store, timeout=60)
+    assert bad_step.returncode == 2 and "unknown step 'convrt'" in bad_step.stderr
+    if RunStore(store).exists("k1"):
+        clash = _run(embedded, "run", "qwen35_moe_tiny", "--store", store, "--run-id", "k1")
+        assert clash.returncode == 2 and "exists with a different config" in clash.stderr
