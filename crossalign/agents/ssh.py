@@ -34,14 +34,18 @@ def known_hosts_path(host: SshHost) -> Path:
 
 
 def remote_command(command: str, *, cwd: Path | str | None = None, env: Mapping[str, str] | None = None) -> str:
-    """``cd CWD && env K=V ... COMMAND`` with every value quoted for the remote shell."""
+    """``cd CWD && export K=V ... && eval COMMAND``, every value quoted for the remote shell.
+
+    ``eval`` keeps a compound command (``a; b``) together behind the ``cd``: nothing runs in the
+    wrong directory if the ``cd`` fails.
+    """
     parts = []
     if cwd is not None:
-        parts.append(f"cd {shlex.quote(str(cwd))} &&")
+        parts.append(f"cd {shlex.quote(str(cwd))}")
     if env:
-        parts.append("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
-    parts.append(command)
-    return " ".join(parts)
+        parts.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
+    parts.append(f"eval {shlex.quote(command)}")
+    return " && ".join(parts)
 
 
 class SshRunner:
