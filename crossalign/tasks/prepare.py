@@ -51,14 +51,14 @@ def resolve_config(name_or_path: str | Path, overrides: list[str] | tuple[str, .
         raise ConfigError(f"{path}: expected a mapping with 'model' and 'training' sections")
     for text in overrides:
         keys, value = parse_override(text)
+        if keys[0] not in ("model", "training"):
+            raise OverrideError(f"--set {text!r}: keys start with 'model.' or 'training.'")
         node = raw
         for depth, key in enumerate(keys[:-1]):
             child = node.get(key) if isinstance(node, dict) else None
             if not isinstance(child, dict):
                 raise OverrideError(f"--set {text!r}: {'.'.join(keys[:depth + 1])} is not a config section")
             node = child
-        if keys[0] not in ("model", "training"):
-            raise OverrideError(f"--set {text!r}: keys start with 'model.' or 'training.'")
         node[keys[-1]] = value
     try:
         return AlignmentConfig.model_validate(raw), path
