@@ -104,6 +104,22 @@ def test_core_015_resets_after_the_first_iteration(tmp_path):
     assert [float(m["lm"]) for m in found] == pytest.approx([v["lm_loss"] for v in metrics], rel=2e-6)
 
 
+def test_trains_on_one_thread_and_restores_the_process_settings(tmp_path):
+    config = config_with("qwen35_dense_tiny", train_iters=1)
+    seen = []
+    request = TrainRequest(config=config, side="megatron", mode="align",
+                           data=DatasetFiles(tmp_path / "corpus", tmp_path / "tokenizer.json"), output_dir=tmp_path,
+                           on_step=lambda *_: seen.append((torch.get_num_threads(),
+                                                           torch.are_deterministic_algorithms_enabled())))
+    torch.set_num_threads(2)
+    try:
+        run_training(request, initial_state(config), 0, random_batches(config, 1))
+        assert seen == [(1, True)]
+        assert torch.get_num_threads() == 2 and not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_moe_logs_the_mean_unscaled_aux_loss_per_moe_layer(tmp_path):
     config = config_with("qwen35_moe_tiny", train_iters=2)
     batches = random_batches(config, 2)

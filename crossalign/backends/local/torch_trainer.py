@@ -25,6 +25,13 @@ from crossalign.backends.base import TrainRequest, TrainResult
 from crossalign.config import TrainingConfig
 
 
+# The embedded trainers run side by side (DAG steps 4 and 5) on small shared CPU machines, where
+# several OpenMP threads per process stall each other (measured: a tiny step 0.2 s of CPU with one
+# thread, 2.5-4.5 s with two under contention). One thread also makes the numbers independent of
+# the machine's core count.
+TRAINING_THREADS = 1
+
+
 class TrainingError(RuntimeError):
     """A training run that cannot go on (e.g. a non-finite loss), naming the iteration."""
 
@@ -137,8 +144,9 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
 
     request.output_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(TRAINING_THREADS)
     try:
         with request.log_path.open("w", encoding="utf-8") as log:
             def emit(text: str) -> None:
@@ -182,6 +190,7 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
             emit(_datetime_line("after training is done"))
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
+        torch.set_num_threads(threads)
     return TrainResult(log_path=request.log_path, checkpoint_dir=None, iterations=total,
                        seconds=time.perf_counter() - started)
 
