@@ -107,8 +107,6 @@ def _patches(framework_name: str, framework: FrameworkSite, apply: bool) -> list
     """Check (and, with ``apply``, apply) the framework's non-optional patches; a conflict is a failed check."""
     from crossalign.patching import PatchError, apply_patch, check_patch, load_patches
 
-    if framework.path is None or not Path(framework.path).expanduser().is_dir():
-        return []  # the checkout check already says what is wrong
     checks = []
     for patch in load_patches(framework_name):
         if patch.optional:
@@ -147,9 +145,9 @@ def probe_pool(pool: str, site: SiteConfig, *, apply_patches: bool = True) -> li
         framework = site.mindformers
         if framework.ssh_host is not None:
             return [_remote(framework)]
-        return (_import_checks([("mindspore", "MindSpore", True)], framework.python)
-                + [_cann(), _checkout("MindFormers checkout", framework, "run_mindformer.py")]
-                + _patches("mindformers", framework, apply_patches))
+        checkout = _checkout("MindFormers checkout", framework, "run_mindformer.py")
+        return (_import_checks([("mindspore", "MindSpore", True)], framework.python) + [_cann(), checkout]
+                + (_patches("mindformers", framework, apply_patches) if checkout.ok else []))
     if site.backends.get("gpu", "local") == "local":
         return _import_checks([("torch", "torch (CPU backend)", True), ("fla", "flash-linear-attention", True),
                                ("megatron.core", "megatron-core", True)], None) + [
@@ -157,10 +155,10 @@ def probe_pool(pool: str, site: SiteConfig, *, apply_patches: bool = True) -> li
     framework = site.megatron
     if framework.ssh_host is not None:
         return [_remote(framework)]
+    checkout = _checkout("Megatron-LM checkout", framework, "pretrain_gpt.py")
     return (_import_checks([("torch:cuda", "torch with CUDA", True), ("transformer_engine", "TransformerEngine", True),
-                            ("fla", "flash-linear-attention", True)], framework.python)
-            + [_checkout("Megatron-LM checkout", framework, "pretrain_gpt.py")]
-            + _patches("megatron", framework, apply_patches))
+                            ("fla", "flash-linear-attention", True)], framework.python) + [checkout]
+            + (_patches("megatron", framework, apply_patches) if checkout.ok else []))
 
 
 def missing(checks: list[Check]) -> list[Check]:

@@ -1,0 +1,91 @@
+"""Agent bootstrap: machine probes per pool, the worker's environment, the automation definitions."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from crossalign.agents.automation import NIGHTLY, ZOMBIE, AutomationError, load_definition
+from crossalign.agents.probe import missing, probe_imports, probe_pool
+from crossalign.agents.worker import worker_argv, worker_environment
+from crossalign.site import SiteConfig, SiteError, load_site
+
+
+def test_probe_imports_in_a_separate_interpreter():
+    found = probe_imports(["json", "no_such_module_for_crossalign"])
+    assert found["json"]["ok"] is True
+    assert found["no_such_module_for_crossalign"] == {
+        "ok": False, "version": "ModuleNotFoundError: No module named 'no_such_module_for_crossalign'"}
+    absent = probe_imports(["json"], python="/nonexistent/python3")
+    assert absent["json"] == {"ok": False, "version": "interpreter /nonexistent/python3 not found"}
+
+
+def test_real_gpu_pool_is_refused_without_its_interpreter_and_checkout(tmp_path):
+    site = SiteConfig.model_validate({"backends": {"gpu": "megatron"},
+                                      "megatron": {"path": str(tmp_path / "Megatron-LM"), "python": "/opt/none/python"}})
+    checks = probe_pool("gpu", site)
+    absent = {c.name: c.detail for c in missing(checks)}
+    assert set(absent) == {"torch with CUDA", "TransformerEngine", "flash-linear-attention", "Megatron-LM checkout"}
+    assert absent["torch with CUDA"] == "interpreter /opt/none/python not found"
+    assert "no pretrain_gpt.py there" in absent["Megatron-LM checkout"]
+
+
+def test_real_npu_pool_needs_cann_and_a_mindformers_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    site = SiteConfig.model_validate({"backends": {"npu": "mindformers"},
+                                      "mindformers": {"path": str(tmp_path), "python": "/opt/none/python"}})
+    absent = {c.name for c in missing(probe_pool("npu", site))}
+    assert absent == {"MindSpore", "CANN toolkit", "MindFormers checkout"}
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+    (tmp_path / "run_mindformer.py").write_text("")
+    checks = {c.name: c for c in probe_pool("npu", site)}
+    assert checks["CANN toolkit"].ok and checks["MindFormers checkout"].ok
+    patches = [c for name, c in checks.items() if name.startswith("patch ")]
+    assert patches and not all(c.ok for c in patches), "an empty checkout cannot take the MindFormers patch"
+    with pytest.raises(ValueError, match="pool 'tpu'"):
+        probe_pool("tpu", site)
+
+
+def test_worker_gets_absolute_store_and_site_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    site_file = Path("site.yaml")
+    site_file.write_text("store: shared/runs\n")
+    env = worker_environment(load_site(site_file), site_file)
+    assert env == {"CROSSALIGN_STORE": str(tmp_path / "shared" / "runs"), "CROSSALIGN_SITE": str(tmp_path / "site.yaml")}
+    monkeypatch.setenv("CROSSALIGN_STORE", env["CROSSALIGN_STORE"])
+    monkeypatch.setenv("CROSSALIGN_SITE", env["CROSSALIGN_SITE"])
+    monkeypatch.chdir("/")
+    assert load_site().store == tmp_path / "shared" / "runs", "a flow run in another directory finds the same store"
+    argv = worker_argv("npu", limit=1)
+    assert argv[:6] == [sys.executable, "-m", "prefect", "worker", "start", "--pool"]
+    assert argv[6:9] == ["npu", "--type", "process"] and argv[-2:] == ["--limit", "1"]
+
+
+def test_site_refuses_a_backend_on_the_wrong_pool(tmp_path):
+    path = tmp_path / "site.yaml"
+    path.write_text("backends: {npu: megatron}\n")
+    with pytest.raises(SiteError, match="backends.npu.*cannot train on the npu pool"):
+        load_site(path)
+    path.write_text("megatron: {ssh_host: gpu9}\n")
+    with pytest.raises(SiteError, match="ssh host 'gpu9' is not defined"):
+        load_site(path)
+
+
+def test_automation_definitions_are_valid_prefect_automations():
+    from prefect.automations import AutomationCore
+
+    zombie = AutomationCore.model_validate(load_definition(ZOMBIE, {"ZOMBIE_AFTER_S": 120}))
+    assert zombie.trigger.posture == "Proactive" and zombie.trigger.within.total_seconds() == 120
+    assert zombie.actions[0].type == "change-flow-run-state" and zombie.actions[0].state.value == "CRASHED"
+    ids = {"NIGHTLY_DEPLOYMENT_ID": "0b8e3f7a-7c50-4c3a-9d1f-3f1f9a0c1d2e",
+           "WEBHOOK_BLOCK_ID": "5f0c1e9a-2b7d-4e8f-a1c3-9d8e7f6a5b4c"}
+    nightly = AutomationCore.model_validate(load_definition(NIGHTLY, ids))
+    assert nightly.trigger.posture == "Reactive"
+    assert "prefect.flow-run.Failed" in nightly.trigger.expect
+    assert str(nightly.actions[0].block_document_id) == ids["WEBHOOK_BLOCK_ID"]
+    assert "{{ flow_run.name }}" in nightly.actions[0].subject, "Prefect's own templates stay for the server"
+    with pytest.raises(AutomationError, match=r"placeholder \$\{WEBHOOK_BLOCK_ID\} has no value"):
+        load_definition(NIGHTLY, {"NIGHTLY_DEPLOYMENT_ID": "x"})
