@@ -159,37 +159,38 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
         raise SideError("--fault applies to a conversion made here; it cannot be combined with --converted")
     model = config.model
     seconds: dict[str, float] = {}
+    the_batch = make_batch(config, seq, batch, data, seed)
+    report = SelfcheckReport(
+        config=model.name, batch_shape=the_batch.shape, batch_source=the_batch.source,
+        mindspore_checkpoint=str(ms_ckpt) if ms_ckpt is not None else f"random {model.name} (seed {seed})",
+        megatron_checkpoint=str(mg_ckpt) if mg_ckpt is not None else
+        "converted here" + (f" with fault {fault}" if fault else ""),
+        fault=fault, seconds=seconds)
+    # One side at a time: a real config's weights, model and logits must not all be in memory twice.
     with tempfile.TemporaryDirectory(prefix="crossalign-selfcheck-") as tmp:
-        start = time.perf_counter()
-        ms_label = str(ms_ckpt) if ms_ckpt is not None else f"random {model.name} (seed {seed})"
-        mg_label = str(mg_ckpt) if mg_ckpt is not None else "converted here" + (f" with fault {fault}" if fault else "")
         if mg_ckpt is None:
+            start = time.perf_counter()
             stage("writing and converting a checkpoint" if ms_ckpt is None else "converting the checkpoint")
             ms_ckpt, mg_ckpt = _make_checkpoints(config, Path(tmp), ms_ckpt, fault, seed)
-        stage("reading checkpoints")
-        ms_state = read_mindformers_checkpoint(Path(ms_ckpt)).model_state()
-        mg_state = read_megatron_checkpoint(Path(mg_ckpt), model).state
-        seconds["checkpoints"] = time.perf_counter() - start
-    the_batch = make_batch(config, seq, batch, data, seed)
-    report = SelfcheckReport(config=model.name, batch_shape=the_batch.shape, batch_source=the_batch.source,
-                             mindspore_checkpoint=ms_label, megatron_checkpoint=mg_label, fault=fault,
-                             seconds=seconds)
+            seconds["convert"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    stage("MindSpore forward")
-    ms_out = run_mindspore(build_mindspore(model, ms_state), the_batch)
-    seconds["mindspore"] = time.perf_counter() - start
-    del ms_state
+        start = time.perf_counter()
+        stage("MindSpore forward")
+        ms_net = build_mindspore(model, read_mindformers_checkpoint(Path(ms_ckpt)).model_state())
+        ms_out = run_mindspore(ms_net, the_batch)
+        del ms_net
+        seconds["mindspore"] = time.perf_counter() - start
 
-    start = time.perf_counter()
-    stage("PyTorch forward")
-    try:
-        net, _ = build_megatron(model, mg_state, config.training.megatron_core_version, strict=True)
-    except SideError as exc:
-        report.load_error = str(exc)
-        return report
-    del mg_state
-    mg_out = run_megatron(net, the_batch)
-    seconds["megatron"] = time.perf_counter() - start
+        start = time.perf_counter()
+        stage("PyTorch forward")
+        try:
+            net, _ = build_megatron(model, read_megatron_checkpoint(Path(mg_ckpt), model).state,
+                                    config.training.megatron_core_version, strict=True)
+        except SideError as exc:
+            report.load_error = str(exc)
+            return report
+        mg_out = run_megatron(net, the_batch)
+        del net
+        seconds["megatron"] = time.perf_counter() - start
     report.outputs = compare_outputs(ms_out, mg_out, tolerances)
     return report

@@ -5,7 +5,6 @@ The MindSpore dump of each tiny config is made once; each fault then needs one P
 """
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
