@@ -22,10 +22,16 @@ import torch
 from crossalign.checkpoint.atomic import atomic_directory, check_output_dir
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.mindformers import TRACKER, read_mindformers_checkpoint
-from crossalign.checkpoint.safetensors_io import FLOATING, SafetensorsWriter, TensorInfo, read_header, read_rows
+from crossalign.checkpoint.safetensors_io import (
+    BLOCK_BYTES,
+    FLOATING,
+    SafetensorsWriter,
+    TensorInfo,
+    read_header,
+    read_rows,
+)
 
 Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, tensor name)
-BLOCK_BYTES = 64 * 2**20  # large tensors (the embedding) are cast in row blocks of this size
 
 
 @dataclass

@@ -196,7 +196,7 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         source = read_mindformers_checkpoint(input_dir)
         entries = source.model_entries()
         iteration = source.iteration or 0
-        state = _forward(lambda key: _cast(source.tensor(key), dtype), {k: i.shape for k, i in entries.items()},
+        state = _forward(lambda key: source.tensor(key, DTYPES[dtype]), {k: i.shape for k, i in entries.items()},
                          model, core_version, experts, fault, f"MindFormers checkpoint {source.directory}", progress)
         bytes_in = sum(info.nbytes for info in entries.values())
         keys_in, keys_out, bytes_out = len(entries), len(state), _nbytes(state.values())

@@ -24,7 +24,7 @@ import torch
 
 from crossalign.checkpoint.atomic import atomic_directory, write_text_atomic
 from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.safetensors_io import TensorInfo, read_header, read_tensor, write_safetensors
+from crossalign.checkpoint.safetensors_io import FLOATING, TensorInfo, read_header, read_tensor, write_safetensors
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
@@ -72,11 +72,12 @@ class MindFormersCheckpoint:
     def optimizer_entries(self) -> dict[str, TensorInfo]:
         return {name: info for name, (path, info) in self.entries.items() if is_optimizer_entry(path, name)}
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, floating_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor; a floating one is converted to ``floating_dtype`` (when given) while it is read."""
         if name not in self.entries:
             raise CheckpointError(f"{self.directory}: no tensor {name!r}")
-        path, _ = self.entries[name]
-        return read_tensor(path, name)
+        path, info = self.entries[name]
+        return read_tensor(path, info, floating_dtype if info.dtype in FLOATING else None)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """Model weights only (no optimizer entries), all loaded."""

@@ -1,10 +1,12 @@
-"""Safetensors files one tensor at a time: read through ``safe_open``, write by streaming.
+"""Safetensors files one tensor at a time, without memory-mapping them.
 
 The bf16 cast must hold one tensor in memory at a time, and a conversion must not pull a
-whole file into memory just to read its header. ``safe_open`` memory-maps the file and its
-pages stay resident while the handle is open, so every tensor is read through a handle of
-its own. Writing streams the format directly: an 8-byte little-endian header length, a JSON
-header (dtype, shape, data_offsets per tensor, ``__metadata__``), then the raw bytes.
+whole file into memory. ``safe_open`` validates a file (header, offsets, size), but it
+memory-maps the file, whose pages then stay resident and cost a page fault each; so after
+``safe_open`` has checked the header, tensor data is read with plain ``readinto`` at the
+offsets the header gives. Writing streams the format directly: an 8-byte little-endian
+header length, a JSON header (dtype, shape, data_offsets per tensor, ``__metadata__``),
+then the raw bytes.
 """
 
 from __future__ import annotations
@@ -28,63 +30,94 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOATING = frozenset(name for name, dtype in DTYPES.items() if dtype.is_floating_point)
+BLOCK_BYTES = 64 * 2**20  # tensors that are converted or streamed move in row blocks of about this size
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """What a safetensors header says about one tensor."""
+    """What a safetensors header says about one tensor (``offset``: where its bytes start in the file)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
 
     @property
-    def nbytes(self) -> int:
+    def numel(self) -> int:
         count = 1
         for size in self.shape:
             count *= size
-        return count * DTYPES[self.dtype].itemsize
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
 
 
 def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None]:
     """The tensors of a safetensors file (in storage order) and its ``__metadata__``; nothing is loaded."""
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata()
-            infos = [TensorInfo(name, handle.get_slice(name).get_dtype(), tuple(handle.get_slice(name).get_shape()))
-                     for name in handle.offset_keys()]
+        with safe_open(str(path), framework="pt"):
+            pass  # validates the header, the offsets and the file size
+        with open(path, "rb") as handle:
+            length = struct.unpack("<Q", handle.read(8))[0]
+            header = json.loads(handle.read(length))
     except Exception as exc:  # safetensors raises its own error type, or OSError
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    metadata = header.pop("__metadata__", None)
+    infos = sorted((TensorInfo(name, entry["dtype"], tuple(entry["shape"]), 8 + length + entry["data_offsets"][0])
+                    for name, entry in header.items()), key=lambda info: info.offset)
     for info in infos:
         if info.dtype not in DTYPES:
             raise CheckpointError(f"{path}: tensor {info.name!r} has dtype {info.dtype}, which torch cannot hold")
     return infos, metadata
 
 
-def read_tensor(path: Path, name: str) -> torch.Tensor:
-    """One tensor, read through a handle of its own so that no other page of the file stays resident."""
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            return handle.get_tensor(name)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from None
+def _read_into(handle: BinaryIO, path: Path, name: str, target: torch.Tensor) -> None:
+    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        got = handle.readinto(view[done:])
+        if not got:
+            raise CheckpointError(f"{path}: file ends inside tensor {name!r}")
+        done += got
+
+
+def read_tensor(path: Path, info: TensorInfo, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One tensor, read into memory of its own; converted to ``dtype`` block by block when given."""
+    source_dtype = DTYPES[info.dtype]
+    tensor = torch.empty(info.shape, dtype=dtype or source_dtype)
+    if tensor.dtype == source_dtype:
+        with open(path, "rb", buffering=0) as handle:
+            handle.seek(info.offset)
+            _read_into(handle, path, info.name, tensor)
+        return tensor
+    start = 0
+    for block in read_rows(path, info, BLOCK_BYTES):
+        if not info.shape:
+            tensor.copy_(block)
+            break
+        tensor[start:start + block.shape[0]].copy_(block)
+        start += block.shape[0]
+    return tensor
 
 
 def read_rows(path: Path, info: TensorInfo, max_bytes: int) -> Iterator[torch.Tensor]:
-    """A tensor in consecutive row blocks of at most about ``max_bytes``, each read on its own."""
-    rows = info.shape[0] if info.shape else 0
-    row_bytes = info.nbytes // rows if rows else info.nbytes
+    """A tensor in consecutive row blocks of at most about ``max_bytes`` (at least one row).
+
+    The blocks share one buffer: each is valid until the next is asked for.
+    """
+    rows = info.shape[0] if info.shape else 1
+    row_shape = info.shape[1:] if info.shape else ()
+    row_bytes = info.nbytes // rows if rows else 0
     step = max(1, max_bytes // max(row_bytes, 1))
-    if not info.shape or rows <= step:
-        yield read_tensor(path, info.name)
-        return
-    for start in range(0, rows, step):
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                block = handle.get_slice(info.name)[start:start + step]
-        except Exception as exc:
-            raise CheckpointError(f"{path}: cannot read rows {start}.. of tensor {info.name!r} ({exc})") from None
-        yield block
+    buffer = torch.empty((min(step, rows), *row_shape) if info.shape else (), dtype=DTYPES[info.dtype])
+    with open(path, "rb", buffering=0) as handle:
+        handle.seek(info.offset)
+        for start in range(0, rows, step):
+            block = buffer[:min(step, rows - start)] if info.shape else buffer
+            _read_into(handle, path, info.name, block)
+            yield block
 
 
 def _header_bytes(infos: Iterable[TensorInfo], metadata: Mapping[str, str] | None) -> bytes:

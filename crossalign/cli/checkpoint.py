@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +15,15 @@ def register(app: typer.Typer) -> None:
     """Add this area's commands to app."""
     app.command("cast-bf16")(cast_bf16_command)
     app.command("convert")(convert_command)
+
+
+def _use_huge_pages() -> None:
+    """Let torch back large tensors with transparent huge pages (read when torch first allocates).
+
+    Filling gigabytes of fresh memory costs a page fault per 4 KiB page otherwise; with
+    ``THP_MEM_ALLOC_ENABLE`` a conversion's upcast of the model runs about twice as fast.
+    """
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def _size(nbytes: int) -> str:
@@ -33,6 +43,7 @@ def cast_bf16_command(
     output_dir: Path = typer.Option(..., "--output", help="New (or empty) folder for the bf16 copy."),
 ) -> None:
     """Cast every floating tensor of a MindFormers checkpoint to bf16, keeping its layout (any model)."""
+    _use_huge_pages()
     from crossalign.checkpoint.cast import cast_bf16
     from crossalign.checkpoint.errors import CheckpointError
 
@@ -64,6 +75,7 @@ def convert_command(
                                         "the output is then written without validation."),
 ) -> None:
     """Convert a checkpoint between MindFormers and Megatron layouts, validated before anything is written."""
+    _use_huge_pages()
     from rich.table import Table
 
     from crossalign.checkpoint.convert import convert_checkpoint
