@@ -18,7 +18,8 @@ from crossalign.store import STEP_NAMES, RunStore
 pytestmark = pytest.mark.slow
 
 CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))
-TINY = ["--set", "training.base_train_iters=3", "--set", "training.train_iters=5"]
+TINY = ["--set", "training.base_train_iters=3", "--set", "training.train_iters=5", "--set", "training.seq_length=64",
+        "--set", "training.global_batch_size=2", "--set", "training.micro_batch_size=2"]
 RUN_TIMEOUT_S = 600
 
 

@@ -23,11 +23,21 @@ def _store_root(store: Optional[Path]) -> Path:
 
 
 def _quiet_prefect(verbose: bool) -> None:
-    """Settings read when Prefect is first imported: a patient ephemeral server, no telemetry, quiet console."""
+    """Settings read when Prefect is first imported: a patient ephemeral server, no telemetry, quiet console.
+
+    Without ``verbose`` the run display and the final message say what happened; Prefect's own
+    console lines (and its tracebacks of an expected failure such as a failed verdict) stay in
+    the run's logs on the API.
+    """
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if not verbose:
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+
+
+def _styled(state: str) -> str:
+    style = STATE_STYLES.get(state)
+    return f"[{style}]{state}[/]" if style else state
 
 
 def _duration(seconds: float | None) -> str:
@@ -101,7 +111,7 @@ class RunDisplay:
             if row["total"]:
                 progress = ProgressBar(total=row["total"], completed=row["done"], width=24)
             table.add_row(str(spec.index), spec.name, spec.pool,
-                          f"[{STATE_STYLES.get(state, '')}]{state}[/]", row["host"], _duration(seconds), progress)
+                          _styled(state), row["host"], _duration(seconds), progress)
         return table
 
     def __enter__(self) -> "RunDisplay":
@@ -130,7 +140,7 @@ def _status_table(run):
         if state.status == "failed":
             shown = (state.attempt or {}).get("error", "")[:80]
         table.add_row(str(state.spec.index), state.spec.name, state.spec.pool,
-                      f"[{STATE_STYLES.get(state.status, '')}]{state.status}[/]", state.host,
+                      _styled(state.status), state.host,
                       _duration(state.seconds), shown)
     return table
 
@@ -262,9 +272,9 @@ def register(app: typer.Typer) -> None:
                 done = sum(s.status == "done" for s in states)
                 worst = next((s.status for s in states if s.status in ("failed", "interrupted", "running")), None)
                 verdict, _ = _verdict(run)
-                table.add_row(run.run_id, info["config"]["model"]["name"], info.get("created", ""),
+                table.add_row(run.run_id, info["config"]["model"]["name"], info.get("created", "")[:16].replace("T", " "),
                               f"{done}/{len(states)}",
-                              f"[{STATE_STYLES.get(worst or '', '')}]{worst or ('done' if done == len(states) else 'partial')}[/]",
+                              _styled(worst or ("done" if done == len(states) else "partial")),
                               verdict or "")
         console.print(table if runs else f"no runs in {RunStore(root).root}")
 
