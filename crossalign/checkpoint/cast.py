@@ -15,7 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -46,6 +46,15 @@ class CastReport:
     seconds: float
 
 
+def _to_bf16(blocks: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Cast row blocks into one reused bf16 buffer: fresh memory for every block costs a page fault per page."""
+    out = None
+    for block in blocks:
+        if out is None:
+            out = torch.empty_like(block, dtype=torch.bfloat16)
+        yield out[:len(block)].copy_(block) if block.dim() else out.copy_(block)
+
+
 def _cast_file(source: Path, target: Path, progress: Callable[[str], None]) -> tuple[int, int, int, int]:
     infos, metadata = read_header(source)
     out_infos = [TensorInfo(info.name, "BF16" if info.dtype in FLOATING else info.dtype, info.shape) for info in infos]
@@ -53,9 +62,7 @@ def _cast_file(source: Path, target: Path, progress: Callable[[str], None]) -> t
     with SafetensorsWriter(target, out_infos, metadata) as writer:
         for info in infos:
             blocks = read_rows(source, info, BLOCK_BYTES)
-            if info.dtype in FLOATING:
-                blocks = (block.to(torch.bfloat16) for block in blocks)
-            writer.write_blocks(info.name, blocks)
+            writer.write_blocks(info.name, _to_bf16(blocks) if info.dtype in FLOATING else blocks)
             progress(info.name)
     return len(infos), cast, sum(i.nbytes for i in infos), sum(i.nbytes for i in out_infos)
 
