@@ -11,7 +11,11 @@ import torch
 ms = pytest.importorskip("mindspore")
 from mindspore import Tensor  # noqa: E402
 
-from crossalign.backends.local.ms_gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
+from crossalign.backends.local.ms_gdn import (  # noqa: E402
+    chunk_gated_delta_rule,
+    compiled_chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 from crossalign.backends.local.ms_model import (  # noqa: E402
     MoE,
     Qwen35Model,
@@ -83,6 +87,13 @@ def test_chunked_gated_delta_rule_equals_the_recurrence(chunk_size):
     chunked = chunk_gated_delta_rule(q, k, v, g, beta, scale=8 ** -0.5, chunk_size=chunk_size).asnumpy()
     assert chunked.shape == reference.shape
     np.testing.assert_allclose(chunked, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_chunked_rule_used_by_the_model_equals_the_recurrence():
+    q, k, v, g, beta = _gdn_inputs(1, 2, 20, 8, 6, seed=11)
+    reference = recurrent_gated_delta_rule(q, k, v, g, beta, scale=0.25).asnumpy()
+    compiled = compiled_chunk_gated_delta_rule(q, k, v, g, beta, scale=0.25, chunk_size=8).asnumpy()
+    np.testing.assert_allclose(compiled, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_recurrence_matches_the_equations_in_numpy():

@@ -21,7 +21,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
-from crossalign.backends.local.ms_gdn import chunk_gated_delta_rule
+from crossalign.backends.local.ms_gdn import compiled_chunk_gated_delta_rule
 from crossalign.config import ModelConfig
 
 GDN_QK_NORM_EPS = 1e-6
@@ -151,7 +151,6 @@ class GatedDeltaNet(nn.Cell):
         self.value_dim = model.linear_value_head_dim
         self.kernel = model.linear_conv_kernel_dim
         self.channels = model.conv_channels
-        self.eps = model.norm_epsilon
         hidden = model.hidden_size
         if self.fused:
             self.in_proj = Linear(model.in_proj_rows, hidden)
@@ -204,8 +203,9 @@ class GatedDeltaNet(nn.Cell):
             k = ops.repeat_interleave(k, repeat, axis=2)
         g = -mint.exp(self.a_log) * ops.softplus(a + self.dt_bias)  # [B, T, nv]
         beta = mint.sigmoid(b)
-        out = chunk_gated_delta_rule(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2),
-                                     g.swapaxes(1, 2), beta.swapaxes(1, 2), scale=1.0 / math.sqrt(self.key_dim))
+        out = compiled_chunk_gated_delta_rule(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2),
+                                              g.swapaxes(1, 2), beta.swapaxes(1, 2),
+                                              scale=1.0 / math.sqrt(self.key_dim))
         out = self.out_norm(out.swapaxes(1, 2))  # [B, T, nv, dv], one weight shared across heads
         out = out * ops.silu(z.reshape(batch, length, self.value_heads, self.value_dim))
         return self.linear_proj(out.reshape(batch, length, self.value_heads * self.value_dim))
@@ -399,7 +399,9 @@ class Qwen35Model(nn.Cell):
     """The whole model. Forward: (input_ids [B,T], labels [B,T], loss_mask [B,T]) ->
     (logits [B,T,V], lm_loss, mtp_losses [mtp_num_layers] unscaled, aux_loss summed over MoE layers)."""
 
-    def __init__(self, model: ModelConfig, seed: int = 0):
+    def __init__(self, model: ModelConfig, seed: int | None = 0):
+        """``seed`` draws a simple random initialisation; None leaves zeros and unit norms, for a
+        caller that loads a full state next (drawing 600M numbers for the real configs takes a while)."""
         super().__init__()
         ms.set_context(mode=ms.PYNATIVE_MODE)
         self.config = model
@@ -412,7 +414,8 @@ class Qwen35Model(nn.Cell):
         self.output_layer = Linear(model.padded_vocab_size, model.hidden_size)
         for name, param in self.parameters_and_names():
             param.name = name  # the full path, as MindFormers saves it
-        _initialise(self, model, seed)
+        if seed is not None:
+            _initialise(self, model, seed)
         self._causal_bias: dict[int, Tensor] = {}
 
     def causal_bias(self, length: int) -> Tensor:

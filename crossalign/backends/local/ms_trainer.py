@@ -44,11 +44,13 @@ _runtime_configured = False
 
 
 def configure_cpu_runtime(threads: int | None = None) -> None:
-    """Synchronous op launch and a bounded CPU thread pool, once per process.
+    """Synchronous op launch and a small CPU thread pool, once per process.
 
     MindSpore's default is an asynchronous launch queue and 25 kernel threads; on a small,
-    shared machine every op then waits milliseconds for a thread hand-off. Launching
-    synchronously with one thread per available core is about ten times faster for this model.
+    shared machine every op then waits milliseconds for thread hand-offs. Launching
+    synchronously is about ten times faster for this model. The default pool is half the
+    available cores (the Megatron stand-in trains at the same time), at most 8: one thread on
+    a 2-core machine, where the tiny model's small ops gain nothing from a second one.
     """
     global _runtime_configured
     if _runtime_configured:
@@ -57,7 +59,8 @@ def configure_cpu_runtime(threads: int | None = None) -> None:
     from mindspore.device_context.cpu.op_tuning import RuntimeConf
 
     if not RuntimeConf.get_instance().is_op_threads_num_configured():
-        ms.device_context.cpu.op_tuning.threads_num(threads or len(os.sched_getaffinity(0)))
+        default = max(1, min(len(os.sched_getaffinity(0)) // 2, 8))
+        ms.device_context.cpu.op_tuning.threads_num(threads or default)
     ms.runtime.launch_blocking()
     _runtime_configured = True
 
@@ -153,7 +156,7 @@ class _Trainer:
         self.config = config
         self.model = config.model
         self.training = config.training
-        self.net = Qwen35Model(self.model)
+        self.net = Qwen35Model(self.model, seed=None)
         load_mindformers_state(self.net, state)
         self.params = dict(self.net.parameters_and_names())
         self.names = [p.name for p in self.net.trainable_params()]
