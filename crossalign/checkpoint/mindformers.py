@@ -28,7 +28,6 @@ from crossalign.checkpoint.safetensors_io import FLOATING, TensorInfo, read_head
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
-METADATA = "metadata.json"
 SAFETENSORS_METADATA = {"format": "ms"}
 _ITERATION_DIR = re.compile(r"iteration_(\d{8})")
 # Optimizer entries may share a file with the model when a bare folder holds one combined file.
