@@ -21,10 +21,10 @@ from crossalign.backends.local.ms_model import (  # noqa: E402
     Qwen35Model,
     RotaryEmbedding,
     StateMismatchError,
+    configure_cpu_runtime,
     load_mindformers_state,
     mindformers_state,
 )
-from crossalign.backends.local.ms_trainer import configure_cpu_runtime  # noqa: E402
 from crossalign.checkpoint.layout import mindformers_shapes, random_mindformers_state  # noqa: E402
 from crossalign.config import load_config  # noqa: E402
 

@@ -40,31 +40,6 @@ class TrainingSetupError(ValueError):
     """A request the MindSpore trainer cannot run (missing checkpoint, wrong mode, bad batches)."""
 
 
-_runtime_configured = False
-
-
-def configure_cpu_runtime(threads: int | None = None) -> None:
-    """Synchronous op launch and a small CPU thread pool, once per process.
-
-    MindSpore's default is an asynchronous launch queue and 25 kernel threads; on a small,
-    shared machine every op then waits milliseconds for thread hand-offs. Launching
-    synchronously is about ten times faster for this model. The default pool is half the
-    available cores (the Megatron stand-in trains at the same time), at most 8: one thread on
-    a 2-core machine, where the tiny model's small ops gain nothing from a second one.
-    """
-    global _runtime_configured
-    if _runtime_configured:
-        return
-    import mindspore as ms
-    from mindspore.device_context.cpu.op_tuning import RuntimeConf
-
-    if not RuntimeConf.get_instance().is_op_threads_num_configured():
-        default = max(1, min(len(os.sched_getaffinity(0)) // 2, 8))
-        ms.device_context.cpu.op_tuning.threads_num(threads or default)
-    ms.runtime.launch_blocking()
-    _runtime_configured = True
-
-
 def warmup_lr(training: TrainingConfig, step: int) -> float:
     """The lr ConstantWarmUpLR gives optimizer step ``step`` (1-based)."""
     warmup = training.lr_warmup_iters
@@ -152,7 +127,6 @@ class _Trainer:
 
         from crossalign.backends.local.ms_model import Qwen35Model, load_mindformers_state
 
-        configure_cpu_runtime()
         self.config = config
         self.model = config.model
         self.training = config.training
