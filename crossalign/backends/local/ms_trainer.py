@@ -231,16 +231,18 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
             step_time_ms = int((time.perf_counter() - step_start) * 1000)
             logged_lr = warmup_lr(training, step + 1)  # pynative prints the lr of the next step
             balancing = trainer.load_balancing_loss(metrics["aux_loss"])
+            # MindFormers prints mtp_i_loss only when mtp_loss_scaling_factor is set
+            mtp_logged = metrics["mtp_losses"] if trainer.mtp_weight else []
             line = loss_callback_line(step=step, total=total, consumed_samples=step * gbs, global_batch_size=gbs,
                                       loss=metrics["lm_loss"], step_time_ms=step_time_ms,
-                                      load_balancing_loss=balancing, mtp_losses=metrics["mtp_losses"],
+                                      load_balancing_loss=balancing, mtp_losses=mtp_logged,
                                       lr=logged_lr, grad_norm=metrics["grad_norm"])
             log.write(logger_prefix(log_dir) + line + "\n")
             log.flush()
             if request.on_step is not None:
                 reported = {"lm_loss": metrics["lm_loss"], "lr": logged_lr, "grad_norm": metrics["grad_norm"],
                             "step_time_ms": float(step_time_ms)}
-                reported.update({f"mtp_{i + 1}_loss": v for i, v in enumerate(metrics["mtp_losses"])})
+                reported.update({f"mtp_{i + 1}_loss": v for i, v in enumerate(mtp_logged)})
                 if balancing is not None:
                     reported["aux_loss"] = balancing
                 request.on_step(step, total, reported)
