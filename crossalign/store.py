@@ -236,6 +236,12 @@ class Run:
             raise StoreError(f"run {self.run_id!r}: run.json records no dataset")
         return DatasetFiles(prefix=Path(data["prefix"]), tokenizer=Path(data["tokenizer"]))
 
+    def check_config(self, config: AlignmentConfig) -> None:
+        """Refuse to reuse this run for another config: its finished steps describe another experiment."""
+        if sha256_json(self.info["config"]) != sha256_json(config.model_dump(mode="json")):
+            raise StoreError(f"run {self.run_id!r} in {self.store.root} exists with a different config; "
+                             f"choose another run id or rerun it as it is")
+
     def update_info(self, **fields: Any) -> None:
         info = self.info
         info.update(fields)
@@ -426,18 +432,14 @@ class RunStore:
         another experiment.
         """
         run = Run(self, check_run_id(run_id))
-        snapshot = config.model_dump(mode="json")
         if (run.path / RUN_INFO).exists():
-            existing = run.info
-            if sha256_json(existing["config"]) != sha256_json(snapshot):
-                raise StoreError(f"run {run_id!r} in {self.root} exists with a different config; "
-                                 f"choose another run id or rerun it as it is")
+            run.check_config(config)
             return run
         run.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run.path / RUN_INFO, {
             "format": FORMAT_VERSION, "run_id": run_id, "created": now_iso(), "host": socket.gethostname(),
             "config_source": config_source, "parameters": parameters, "code_version": code_version,
-            "config": snapshot, "dataset": None,
+            "config": config.model_dump(mode="json"), "dataset": None,
         })
         return run
 

@@ -59,7 +59,9 @@ def prefect_server(tmp_path_factory):
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
     }
     log = open(home / "server.log", "w")
-    server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    # SQLite on a busy 2-core machine: wait for the database lock instead of answering 503
+    server_env = {**{k: v for k, v in env.items() if k != "PREFECT_API_URL"},
+                  "PREFECT_SERVER_DATABASE_TIMEOUT": "60", "PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT": "60"}
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                              "--port", str(port)], env=server_env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S

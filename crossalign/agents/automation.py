@@ -19,7 +19,7 @@ ZOMBIE = "crash-zombie-flow-runs.yaml"
 NIGHTLY = "nightly-failed.yaml"
 WEBHOOK_BLOCK = "crossalign-nightly-webhook"
 NIGHTLY_DEPLOYMENT = "nightly/nightly"
-DEFAULT_ZOMBIE_AFTER_S = 120
+DEFAULT_ZOMBIE_AFTER_S = 600  # ten heartbeats of crossalign's flows, three of Prefect's default 180 s
 
 
 class AutomationError(ValueError):

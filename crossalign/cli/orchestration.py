@@ -14,6 +14,22 @@ from crossalign.cli.common import console, err_console, user_errors
 STATE_STYLES = {"done": "green", "skipped": "green", "stale": "yellow", "running": "cyan", "started": "cyan",
                 "interrupted": "red", "failed": "red", "pending": "dim"}
 EXIT_PASS, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+HEARTBEAT_S = "60"  # as in prefect.yaml; the zombie automation waits ten times as long
+
+
+def _server_url(required: bool) -> str | None:
+    """The Prefect API to use: $PREFECT_API_URL, else the site's ``prefect_api_url`` (exported for Prefect)."""
+    from crossalign.site import load_site
+
+    if not os.environ.get("PREFECT_API_URL"):
+        url = load_site().prefect_api_url
+        if url:
+            os.environ["PREFECT_API_URL"] = url
+    if required and not os.environ.get("PREFECT_API_URL"):
+        err_console.print("[bold red]error:[/] no Prefect server: set PREFECT_API_URL (e.g. http://HOST:4200/api) "
+                          "or prefect_api_url in the site config")
+        raise typer.Exit(EXIT_INVALID)
+    return os.environ.get("PREFECT_API_URL")
 
 
 def _store_root(store: Optional[Path]) -> Path:
@@ -31,6 +47,7 @@ def _quiet_prefect(verbose: bool) -> None:
     """
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", HEARTBEAT_S)
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 
@@ -166,28 +183,33 @@ def _finish(run_id: str, root: Path, state) -> int:
 
     store = RunStore(root)
     run = store.run(run_id) if store.exists(run_id) else None
+    error = None if state.is_completed() else state.result(raise_on_failure=False)
+    if isinstance(error, (ConfigError, StoreError, PreflightFailed)):
+        err_console.print(f"[bold red]run {run_id}: invalid input:[/] {error}", highlight=False, soft_wrap=True)
+        return EXIT_INVALID
     if run is not None:
         console.print(_status_table(run))
-    error = None if state.is_completed() else state.result(raise_on_failure=False)
     verdict, report = _verdict(run) if run is not None else (None, None)
-    if verdict is not None:
+    if verdict is not None and (error is None or isinstance(error, VerdictFailed)):
         style = "green" if verdict == "pass" else "red"
         console.print(f"verdict: [bold {style}]{verdict}[/]    report: {report}", highlight=False)
         return {"pass": EXIT_PASS, "fail": EXIT_FAIL}.get(verdict, EXIT_INVALID)
-    if isinstance(error, VerdictFailed):
-        return EXIT_FAIL if error.verdict == "fail" else EXIT_INVALID
     message = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else (state.message or "")
     err_console.print(f"[bold red]run {run_id} failed:[/] {message}", highlight=False, soft_wrap=True)
-    if isinstance(error, (ConfigError, StoreError, PreflightFailed)):
-        return EXIT_INVALID
     if run is not None:
-        err_console.print(f"resume with: crossalign run {run.info['parameters']['config']} --run-id {run_id} "
-                          f"--store {root}", highlight=False, soft_wrap=True)
+        import shlex
+
+        parameters = run.info["parameters"]
+        command = ["crossalign", "run", parameters["config"], "--run-id", run_id, "--store", str(root)]
+        for override in parameters.get("overrides", []):
+            command += ["--set", override]
+        err_console.print(f"resume with: {shlex.join(command)}", highlight=False, soft_wrap=True)
     return EXIT_FAIL
 
 
 def _run_flow(*, config: str | None, run_id: str, root: Path, overrides: list[str], rerun: list[str],
               distributed: bool, retries: int, retry_delay: float, verbose: bool) -> int:
+    _server_url(required=distributed)
     _quiet_prefect(verbose)
     from crossalign.flows.alignment import alignment
     from crossalign.flows.events import listening
@@ -218,13 +240,15 @@ def register(app: typer.Typer) -> None:
         """Run the six-step alignment; prints the verdict. Exit 0 pass, 1 fail, 2 invalid or bad input."""
         from crossalign.config import ConfigError
         from crossalign.site import SiteError
-        from crossalign.store import StoreError, check_run_id
+        from crossalign.store import RunStore, StoreError, check_run_id
         from crossalign.tasks.prepare import default_run_id, resolve_config
 
         with user_errors(ConfigError, SiteError, StoreError):
             resolved, _ = resolve_config(config, overrides)
             root = _store_root(store)
             run_id = check_run_id(run_id or default_run_id(resolved))
+            if RunStore(root).exists(run_id):
+                RunStore(root).run(run_id).check_config(resolved)
         raise typer.Exit(_run_flow(config=config, run_id=run_id, root=root, overrides=overrides, rerun=[],
                                    distributed=distributed, retries=retries, retry_delay=retry_delay,
                                    verbose=verbose))
@@ -333,6 +357,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2)
         if probe_only:
             return
+        _server_url(required=True)
         _quiet_prefect(verbose=True)
         from crossalign.agents.worker import ensure_pool, exec_worker, worker_environment
 
@@ -350,6 +375,7 @@ def register(app: typer.Typer) -> None:
 
         from crossalign.agents.worker import deploy
 
+        _server_url(required=True)
         _quiet_prefect(verbose=True)
         with user_errors(FileNotFoundError, subprocess.CalledProcessError):
             deploy(prefect_file)
@@ -361,12 +387,14 @@ def register(app: typer.Typer) -> None:
     @automations_app.command("install")
     def automations_install(
         webhook: Optional[str] = typer.Option(None, "--webhook", help="URL to call when a nightly run fails"),
-        zombie_after: int = typer.Option(120, "--zombie-after", help="seconds without heartbeat before a flow "
-                                         "run counts as crashed"),
+        zombie_after: int = typer.Option(600, "--zombie-after", help="seconds without heartbeat before a flow "
+                                         "run counts as crashed; keep it well above the heartbeat interval of "
+                                         "every flow on the server (crossalign's 60 s, Prefect's default 180 s)"),
     ) -> None:
         """Create (or replace) crossalign's automations on the Prefect server in PREFECT_API_URL."""
         from crossalign.agents.automation import AutomationError, install_automations
 
+        _server_url(required=True)
         _quiet_prefect(verbose=True)
         with user_errors(AutomationError):
             installed = install_automations(webhook, zombie_after)

@@ -20,6 +20,9 @@ from prefect.futures import wait
 from prefect.runtime import flow_run as current_flow_run
 
 from crossalign.backends.base import DatasetFiles
+from crossalign.backends.preflight import preflight_config
+from crossalign.data.order import side_settings
+from crossalign.data.preflight import compare_sample_order
 from crossalign.flows.events import StepEvent, emit
 from crossalign.flows.launch import execute_deployment, execute_subprocess
 from crossalign.flows.reporting import StepReporter
@@ -63,18 +66,11 @@ def preflight(store: str, run_id: str) -> None:
     logger = get_run_logger()
     run = RunStore(store).run(run_id)
     config = run.config
-    try:
-        from crossalign.backends.preflight import preflight_config
-    except ImportError:
-        logger.warning("preflight: crossalign.backends.preflight is not available; config check skipped")
-    else:
-        report = preflight_config(config)
-        if not report.ok:
-            raise PreflightFailed("the two sides' settings differ: " + "; ".join(map(str, report.mismatches)))
-        logger.info("preflight: the generated MindFormers and Megatron settings agree")
-    from crossalign.data.order import side_settings
-    from crossalign.data.preflight import compare_sample_order
-
+    report = preflight_config(config)
+    if not report.ok:
+        raise PreflightFailed("the generated launch settings differ: " + "; ".join(
+            f"{row.name}: megatron {row.megatron} vs mindformers {row.mindformers}" for row in report.rows if not row.ok))
+    logger.info(f"preflight: the generated Megatron and MindFormers settings agree ({len(report.rows)} checked)")
     training = config.training
     order = compare_sample_order(side_settings("megatron", training), side_settings("mindformers", training),
                                  run.dataset.prefix, training.global_batch_size,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import shlex
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from crossalign.flows.reporting import StepReporter
 from crossalign.site import SiteConfig
@@ -91,7 +92,7 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
     name = deployment_name(step)
     parameters = {"run_id": run.run_id, "store": str(run.store.root)}
     attempt = 1
-    with get_client(sync_client=True) as client:
+    with _api_trouble_is_infrastructure(step), get_client(sync_client=True) as client:
         while True:
             key = f"{run.run_id}:{step}" if attempt == 1 else f"{run.run_id}:{step}:{attempt}"
             child = run_deployment(name, parameters=parameters, idempotency_key=key, timeout=0,
@@ -115,6 +116,23 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
             if state.is_crashed() or attempt_record.get("retryable"):
                 raise InfrastructureError(step, f"{where}: {detail}")
             raise StepFailed(step, f"{where}: {detail}")
+
+
+@contextmanager
+def _api_trouble_is_infrastructure(step: str) -> Iterator[None]:
+    """An unreachable or overloaded Prefect API (connection errors, 5xx) is worth another attempt."""
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    try:
+        yield
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code >= 500:
+            raise InfrastructureError(step, f"Prefect API: {exc.response.status_code} {exc.response.reason_phrase} "
+                                            f"for {exc.request.url}") from exc
+        raise
+    except httpx.TransportError as exc:
+        raise InfrastructureError(step, f"Prefect API unreachable: {exc}") from exc
 
 
 def _wait_final(client, child, step: str, reporter: StepReporter, poll_interval: float, timeout_s: float | None):
