@@ -21,6 +21,7 @@ from prefect.runtime import flow_run as current_flow_run
 
 from crossalign.backends.base import DatasetFiles
 from crossalign.backends.preflight import preflight_config
+from crossalign.config import ConfigError
 from crossalign.data.order import side_settings
 from crossalign.data.preflight import compare_sample_order
 from crossalign.flows.events import StepEvent, emit
@@ -31,7 +32,7 @@ from crossalign.flows.summary import publish_compare, steps_table
 from crossalign.site import load_site
 from crossalign.store import STEPS, RunStore, step_spec
 from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed, VerdictFailed
-from crossalign.tasks.prepare import prepare_run
+from crossalign.tasks.prepare import prepare_run, resolve_config
 
 Mode = Literal["distributed", "embedded"]
 PREFLIGHT_BATCHES = 3  # global batches whose token digests must agree between the two sides
@@ -128,14 +129,12 @@ def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = Non
     for name in rerun or []:
         step_spec(name)
     if (dataset_prefix is None) != (tokenizer is None):
-        raise ValueError("dataset_prefix and tokenizer go together: give both or neither")
+        raise ConfigError("dataset_prefix and tokenizer go together: give both or neither")
     dataset = None if dataset_prefix is None else DatasetFiles(Path(dataset_prefix), Path(tokenizer))
     root = str(RunStore(store or load_site().store).root)
     if run_id is None:
         if config is None:
-            raise ValueError("give a config, or the run_id of an existing run to reopen")
-        from crossalign.tasks.prepare import resolve_config
-
+            raise ConfigError("give a config, or the run_id of an existing run to reopen")
         run_id = f"{resolve_config(config, overrides or [])[0].model.name}-{str(current_flow_run.get_id())[:8]}"
     run_id = prepare(root, config, run_id, list(overrides or []), dataset, list(rerun or []))
     preflight(root, run_id)
