@@ -6,7 +6,8 @@ metadata, floating tensors cast to bf16 and the others unchanged, and every othe
 the folder (common.json, metadata.json) copied as is. The cast streams: each output file's
 header is written from the input header, then each tensor is read, cast, written and
 dropped, large ones in row blocks, so memory holds at most one tensor (or one block of
-64 MiB) at a time whatever the checkpoint size.
+64 MiB) at a time whatever the checkpoint size. Every tensor is read into, and cast into,
+the same two buffers (``blocks.py``): fresh memory per tensor would cost a page fault per page.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from crossalign.checkpoint.atomic import atomic_directory, check_output_dir
+from crossalign.checkpoint.blocks import BlockCaster, ReusedBuffer
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.mindformers import TRACKER, read_mindformers_checkpoint
 from crossalign.checkpoint.safetensors_io import (
@@ -46,23 +48,16 @@ class CastReport:
     seconds: float
 
 
-def _to_bf16(blocks: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Cast row blocks into one reused bf16 buffer: fresh memory for every block costs a page fault per page."""
-    out = None
-    for block in blocks:
-        if out is None:
-            out = torch.empty_like(block, dtype=torch.bfloat16)
-        yield out[:len(block)].copy_(block) if block.dim() else out.copy_(block)
-
-
-def _cast_file(source: Path, target: Path, progress: Callable[[str], None]) -> tuple[int, int, int, int]:
+def _cast_file(source: Path, target: Path, reads: ReusedBuffer, caster: BlockCaster,
+               progress: Callable[[str], None]) -> tuple[int, int, int, int]:
     infos, metadata = read_header(source)
     out_infos = [TensorInfo(info.name, "BF16" if info.dtype in FLOATING else info.dtype, info.shape) for info in infos]
     cast = sum(info.dtype in FLOATING and info.dtype != "BF16" for info in infos)
     with SafetensorsWriter(target, out_infos, metadata) as writer:
         for info in infos:
-            blocks = read_rows(source, info, BLOCK_BYTES)
-            writer.write_blocks(info.name, _to_bf16(blocks) if info.dtype in FLOATING else blocks)
+            blocks = read_rows(source, info, BLOCK_BYTES, reads)
+            writer.write_blocks(info.name, caster.cast_blocks(blocks, torch.bfloat16)
+                                if info.dtype in FLOATING else blocks)
             progress(info.name)
     return len(infos), cast, sum(i.nbytes for i in infos), sum(i.nbytes for i in out_infos)
 
@@ -88,6 +83,7 @@ def cast_bf16(input_dir: Path, output_dir: Path, progress: Progress | None = Non
         if progress:
             progress(done, total, name)
 
+    reads, caster = ReusedBuffer(), BlockCaster(BLOCK_BYTES)  # one block of memory each for the whole checkpoint
     with atomic_directory(output_dir) as staging:
         target_dir = staging
         if checkpoint.tracker_root is not None:
@@ -95,7 +91,7 @@ def cast_bf16(input_dir: Path, output_dir: Path, progress: Progress | None = Non
             target_dir = staging / directory.name
             target_dir.mkdir()
         for file in checkpoint.files:
-            for i, value in enumerate(_cast_file(file, target_dir / file.name, advance)):
+            for i, value in enumerate(_cast_file(file, target_dir / file.name, reads, caster, advance)):
                 counts[i] += value
         for file in extra:
             shutil.copy2(file, target_dir / file.name)

@@ -9,22 +9,32 @@ output check on purpose, with a warning.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Mapping
+from typing import Callable, Iterable, Iterator, Literal, Mapping
 
 import torch
 
 from crossalign.checkpoint.atomic import check_output_dir
+from crossalign.checkpoint.blocks import ReusedBuffer
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.faults import inject_fault
 from crossalign.checkpoint.layout import check_expert_form, megatron_shapes, mindformers_shapes
-from crossalign.checkpoint.megatron import read_megatron_checkpoint, write_megatron_checkpoint
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.checkpoint.megatron import read_megatron_checkpoint, stream_megatron_checkpoint
+from crossalign.checkpoint.mindformers import (
+    MindFormersCheckpoint,
+    default_common,
+    read_mindformers_checkpoint,
+    write_mindformers_checkpoint,
+)
 from crossalign.checkpoint.reshard import check_parallel_sizes
 from crossalign.checkpoint.rules import PlacedRule, conversion_plan
+from crossalign.checkpoint.safetensors_io import DTYPES as STORED_DTYPES
+from crossalign.checkpoint.safetensors_io import TensorInfo
+from crossalign.checkpoint.torch_file import TensorSpec
 from crossalign.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -90,55 +100,91 @@ def _graph_expert_layout(model: ModelConfig) -> Callable[[str, tuple[int, ...]],
     return accepted
 
 
-def _run(plan: list[PlacedRule], fetch: Callable[[str], torch.Tensor], total_inputs: int, forward: bool,
-         progress: Progress | None) -> dict[str, torch.Tensor]:
-    """Apply every placed rule once; each input key is fetched exactly once."""
-    out: dict[str, torch.Tensor] = {}
+Fetch = Callable[[tuple[str, ...]], list[torch.Tensor]]  # the tensors of some keys (one rule's inputs)
+
+
+def _from_memory(state: Mapping[str, torch.Tensor]) -> Fetch:
+    return lambda keys: [state[key] for key in keys]
+
+
+def _reused_reads(source: MindFormersCheckpoint) -> Fetch:
+    """Read each rule's inputs into buffers kept from rule to rule (its i-th input into buffer i).
+
+    Fresh memory for every tensor would cost a page fault per page. This is sound only when
+    a rule's outputs, which may be views of its inputs, are consumed before the next rule
+    reads: as when they are streamed into a file.
+    """
+    buffers: list[ReusedBuffer] = []
+
+    def fetch(keys: tuple[str, ...]) -> list[torch.Tensor]:
+        buffers.extend(ReusedBuffer() for _ in range(len(keys) - len(buffers)))
+        return [source.tensor(key, buffer=buffer) for key, buffer in zip(keys, buffers)]
+    return fetch
+
+
+def _outputs(plan: list[PlacedRule], fetch: Fetch, total_inputs: int, forward: bool,
+             progress: Progress | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Apply every placed rule once, yielding its outputs as they come; each input key is fetched exactly once."""
+    done: set[str] = set()
     used = 0
     for placed in plan:
         sources, targets = (placed.ms_keys, placed.mg_keys) if forward else (placed.mg_keys, placed.ms_keys)
-        inputs = [fetch(key) for key in sources]
+        inputs = fetch(sources)
         used += len(sources)
         outputs = placed.rule.forward(inputs) if forward else placed.rule.inverse(inputs)
+        del inputs  # a streaming consumer then holds only this rule's outputs
         for key, tensor in zip(targets, outputs, strict=True):
-            if key in out:
+            if key in done:
                 raise CheckpointError(f"two rules write {key!r}")
-            out[key] = tensor
+            done.add(key)
+            yield key, tensor
+        del outputs
         if progress:
             progress(used, total_inputs, sources[0])
     if used != total_inputs:
         raise CheckpointError(f"the rules used {used} of {total_inputs} input keys")
-    return out
 
 
-def _forward(fetch: Callable[[str], torch.Tensor], shapes: Shapes, model: ModelConfig, core_version: str,
-             experts: str, fault: str | None, what: str, progress: Progress | None) -> dict[str, torch.Tensor]:
+def _run(plan: list[PlacedRule], fetch: Fetch, total_inputs: int, forward: bool,
+         progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Every output of the plan, held in memory."""
+    return dict(_outputs(plan, fetch, total_inputs, forward, progress))
+
+
+def _forward_plan(shapes: Shapes, model: ModelConfig, core_version: str, experts: str, fault: str | None,
+                  what: str) -> list[PlacedRule]:
+    """The MindSpore -> Megatron rules, once the input's keys and shapes are known to match the model."""
     check_state(shapes, mindformers_shapes(model), f"{what} does not match model {model.name}",
                 _graph_expert_layout(model) if model.is_moe else lambda key, shape: False)
     plan = conversion_plan(model, core_version, check_expert_form(experts))
-    if fault is not None:
-        plan = inject_fault(plan, fault, model, core_version)
-    out = _run(plan, fetch, len(shapes), True, progress)
+    return plan if fault is None else inject_fault(plan, fault, model, core_version)
+
+
+def _check_forward_output(shapes: Shapes, model: ModelConfig, core_version: str, experts: str,
+                          fault: str | None) -> None:
     if fault is None:
-        check_state({k: tuple(v.shape) for k, v in out.items()}, megatron_shapes(model, core_version, experts),
+        check_state(shapes, megatron_shapes(model, core_version, experts),
                     f"Megatron output for model {model.name} (core {core_version})")
     else:
         log.warning("fault %r injected: the Megatron output keys and shapes were NOT validated", fault)
-    return out
 
 
 def mindformers_to_megatron(state: Mapping[str, torch.Tensor], model: ModelConfig, core_version: str = "0.16.1",
                             experts: str = "per_expert", fault: str | None = None) -> dict[str, torch.Tensor]:
     """A MindFormers state dict (pynative or graph expert layout) as a Megatron state dict (TP=1, PP=1)."""
     shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
-    return _forward(state.__getitem__, shapes, model, core_version, experts, fault, "MindFormers state", None)
+    plan = _forward_plan(shapes, model, core_version, experts, fault, "MindFormers state")
+    out = _run(plan, _from_memory(state), len(shapes), True)
+    _check_forward_output({key: tuple(tensor.shape) for key, tensor in out.items()}, model, core_version, experts,
+                          fault)
+    return out
 
 
 def _expert_form_of(keys) -> str:
     return "per_expert" if any(key.endswith("mlp.experts.linear_fc1.weight0") for key in keys) else "stacked"
 
 
-def _inverse(fetch: Callable[[str], torch.Tensor], shapes: Shapes, model: ModelConfig, core_version: str,
+def _inverse(fetch: Fetch, shapes: Shapes, model: ModelConfig, core_version: str,
              what: str, progress: Progress | None) -> dict[str, torch.Tensor]:
     experts = _expert_form_of(shapes)
     check_state(shapes, megatron_shapes(model, core_version, experts),
@@ -153,14 +199,39 @@ def megatron_to_mindformers(state: Mapping[str, torch.Tensor], model: ModelConfi
                             core_version: str = "0.16.1") -> dict[str, torch.Tensor]:
     """The exact inverse of mindformers_to_megatron (either expert form in; pynative expert layout out)."""
     shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
-    return _inverse(state.__getitem__, shapes, model, core_version, "Megatron state", None)
+    return _inverse(_from_memory(state), shapes, model, core_version, "Megatron state", None)
+
+
+def _stored_dtype(source: torch.dtype, dtype: str) -> torch.dtype:
+    """The dtype a tensor is written in: floating ones cast to ``dtype`` (unless "keep"), the others as they are."""
+    target = DTYPES[dtype]
+    return target if target is not None and source.is_floating_point else source
 
 
 def _cast(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
-    target = DTYPES[dtype]
-    if target is None or not tensor.is_floating_point() or tensor.dtype == target:
-        return tensor
-    return tensor.to(target)
+    return tensor.to(_stored_dtype(tensor.dtype, dtype))
+
+
+def _forward_specs(plan: list[PlacedRule], entries: Mapping[str, TensorInfo], model: ModelConfig,
+                   core_version: str, experts: str, dtype: str) -> dict[str, TensorSpec]:
+    """Every Megatron tensor the plan writes, in its order, with its shape and stored dtype, before any is computed.
+
+    The output keys are checked against Megatron's table here, before anything is written;
+    the shapes come from that table, and the writer checks each computed tensor against them.
+    A rule's output has its inputs' (promoted) dtype: the rules move data without computing
+    on it, so they run in the input's dtype and the writer casts, which gives the same bits
+    as casting first at a fraction of the memory.
+    """
+    table = megatron_shapes(model, core_version, experts)
+    keys = [key for placed in plan for key in placed.mg_keys]
+    only_keys = {key: table[key] if key in table else () for key in keys}  # the shapes are the table's by design
+    check_state(only_keys, table, f"Megatron output for model {model.name} (core {core_version})")
+    specs = {}
+    for placed in plan:
+        source = functools.reduce(torch.promote_types, (STORED_DTYPES[entries[key].dtype] for key in placed.ms_keys))
+        for key in placed.mg_keys:
+            specs[key] = TensorSpec(table[key], _stored_dtype(source, dtype))
+    return specs
 
 
 def _nbytes(tensors) -> int:
@@ -196,20 +267,27 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         source = read_mindformers_checkpoint(input_dir)
         entries = source.model_entries()
         iteration = source.iteration or 0
-        state = _forward(lambda key: source.tensor(key, DTYPES[dtype]), {k: i.shape for k, i in entries.items()},
-                         model, core_version, experts, fault, f"MindFormers checkpoint {source.directory}", progress)
-        bytes_in = sum(info.nbytes for info in entries.values())
-        keys_in, keys_out, bytes_out = len(entries), len(state), _nbytes(state.values())
-        if progress:
-            progress(keys_in, keys_in, f"writing {tp * pp} Megatron file(s)")
-        written = write_megatron_checkpoint(output_dir, iteration, state, model=model, tp=tp, pp=pp)
+        plan = _forward_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, fault,
+                             f"MindFormers checkpoint {source.directory}")
+        keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
+        if fault is None:
+            specs = _forward_specs(plan, entries, model, core_version, experts, dtype)
+            tensors: Iterable[tuple[str, torch.Tensor]] = _outputs(plan, _reused_reads(source), keys_in, True,
+                                                                   progress)
+        else:  # a self-check on a small model: held in memory, so that the broken output needs no table
+            state = _run(plan, lambda keys: [source.tensor(key) for key in keys], keys_in, True, progress)
+            log.warning("fault %r injected: the Megatron output keys and shapes were NOT validated", fault)
+            specs = {key: TensorSpec(tuple(t.shape), _stored_dtype(t.dtype, dtype)) for key, t in state.items()}
+            tensors = state.items()
+        keys_out, bytes_out = len(specs), sum(spec.nbytes for spec in specs.values())
+        written = stream_megatron_checkpoint(output_dir, iteration, specs, tensors, model=model, tp=tp, pp=pp)
         files = sorted(written.glob("mp_rank_*/*.pt"))
     else:
         source_mg = read_megatron_checkpoint(input_dir, model)
         iteration = source_mg.iteration
         loaded = source_mg.state
         keys_in, bytes_in = len(loaded), _nbytes(loaded.values())
-        state = _inverse(lambda key: _cast(loaded.pop(key), dtype), {k: tuple(t.shape) for k, t in loaded.items()},
+        state = _inverse(lambda keys: [_cast(loaded.pop(key), dtype) for key in keys], {k: tuple(t.shape) for k, t in loaded.items()},
                          model, core_version, f"Megatron checkpoint {source_mg.directory}", progress)
         keys_out, bytes_out = len(state), _nbytes(state.values())
         if progress:

@@ -14,15 +14,18 @@ else, so it loads with torch's default ``weights_only=True`` and needs no patch 
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
 from crossalign.checkpoint.atomic import atomic_directory, write_text_atomic
+from crossalign.checkpoint.blocks import BlockCaster
 from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.reshard import Rank, merge_shards, split_state
+from crossalign.checkpoint.reshard import Rank, check_parallel_sizes, merge_shards, shard_tensor
+from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter
 from crossalign.config import ModelConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -117,42 +120,49 @@ def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None) -> Me
     return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=tp, pp=pp)
 
 
-def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """torch.save writes a tensor's whole storage: give views of larger tensors a storage of their own."""
-    own_size = tensor.numel() * tensor.element_size()
-    if tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == own_size:
-        return tensor
-    return tensor.clone(memory_format=torch.contiguous_format)
+def _rank_specs(specs: Mapping[str, TensorSpec], model: ModelConfig | None, tp: int,
+                pp: int) -> dict[Rank, dict[str, TensorSpec]]:
+    """What each rank file holds, found by sharding shape-only (meta) tensors."""
+    per_rank: dict[Rank, dict[str, TensorSpec]] = {(t, p): {} for p in range(pp) for t in range(tp)}
+    for key, spec in specs.items():
+        for rank, local_key, shard in shard_tensor(key, torch.empty(spec.shape, device="meta"), model, tp, pp):
+            per_rank[rank][local_key] = TensorSpec(tuple(shard.shape), spec.dtype)
+    return per_rank
 
 
-def _save_rank(file: Path, iteration: int, state: Mapping[str, torch.Tensor]) -> None:
-    """torch.save without record checksums: torch's reader is built with MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS
-    and never verifies them, and computing them doubles the time of saving a large model."""
-    file.parent.mkdir(parents=True)
-    model = {key: _compact(tensor) for key, tensor in state.items()}
-    checksums = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        torch.save({"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": model}, file)
-    finally:
-        torch.serialization.set_crc32_options(checksums)
+def _fill_iteration_dir(directory: Path, iteration: int, specs: Mapping[str, TensorSpec],
+                        tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig | None, tp: int,
+                        pp: int) -> None:
+    """Lay out every rank file, then shard each tensor as it comes and write its shards into their records."""
+    if (tp, pp) != (1, 1):
+        if model is None:
+            raise CheckpointError(f"writing tp={tp} pp={pp} shards needs the model config")
+        check_parallel_sizes(model, tp, pp)
+    fields = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    caster = BlockCaster()
+    with ExitStack() as open_files:  # each writer checks on a clean exit that all its tensors came
+        writers: dict[Rank, TorchFileWriter] = {}
+        for rank, rank_specs in _rank_specs(specs, model, tp, pp).items():
+            file = directory / rank_dir_name(*rank, pp) / MODEL_FILE
+            file.parent.mkdir(parents=True)
+            writers[rank] = open_files.enter_context(TorchFileWriter(file, fields, "model", rank_specs, caster))
+        announced = iter(specs)
+        for key, tensor in tensors:
+            if key != next(announced, None):
+                raise CheckpointError(f"{directory}: tensor {key!r} was not announced in this place")
+            for rank, local_key, shard in shard_tensor(key, tensor, model, tp, pp):
+                writers[rank].write(local_key, shard)
 
 
-def _fill_iteration_dir(directory: Path, iteration: int, state: Mapping[str, torch.Tensor],
-                        model: ModelConfig | None, tp: int, pp: int) -> None:
-    if tp == 1 and pp == 1:
-        _save_rank(directory / rank_dir_name(0, 0, 1) / MODEL_FILE, iteration, state)
-        return
-    if model is None:
-        raise CheckpointError(f"writing tp={tp} pp={pp} shards needs the model config")
-    for pp_rank in range(pp):
-        for tp_rank, shard in split_state(dict(state), model, tp, pp, pp_rank).items():
-            _save_rank(directory / rank_dir_name(tp_rank, pp_rank, pp) / MODEL_FILE, iteration, shard)
+def stream_megatron_checkpoint(root: Path, iteration: int, specs: Mapping[str, TensorSpec],
+                               tensors: Iterable[tuple[str, torch.Tensor]], *, model: ModelConfig | None = None,
+                               tp: int = 1, pp: int = 1) -> Path:
+    """Save a full model given tensor by tensor (resharded to tp x pp when asked); returns the iteration folder.
 
-
-def write_megatron_checkpoint(root: Path, iteration: int, state: Mapping[str, torch.Tensor], *,
-                              model: ModelConfig | None = None, tp: int = 1, pp: int = 1) -> Path:
-    """Save a full state dict (resharded to tp x pp when asked); returns the iteration folder.
+    ``specs`` announces every key of the full model with its shape and the dtype to store;
+    ``tensors`` then yields the same keys in the same order, each consumed and dropped before
+    the next is asked for, floating ones cast to the announced dtype as they are written. So
+    memory holds one tensor at a time however large the model.
 
     A new root is built whole in a temporary sibling and renamed into place; an existing
     root gets the new iteration folder the same way and then its tracker is replaced.
@@ -163,10 +173,17 @@ def write_megatron_checkpoint(root: Path, iteration: int, state: Mapping[str, to
         if (root / name).exists():
             raise CheckpointError(f"{root / name}: iteration {iteration} is already saved")
         with atomic_directory(root / name) as directory:
-            _fill_iteration_dir(directory, iteration, state, model, tp, pp)
+            _fill_iteration_dir(directory, iteration, specs, tensors, model, tp, pp)
         write_text_atomic(root / TRACKER, str(iteration))
         return root / name
     with atomic_directory(root) as staging:
-        _fill_iteration_dir(staging / name, iteration, state, model, tp, pp)
+        _fill_iteration_dir(staging / name, iteration, specs, tensors, model, tp, pp)
         (staging / TRACKER).write_text(str(iteration))
     return root / name
+
+
+def write_megatron_checkpoint(root: Path, iteration: int, state: Mapping[str, torch.Tensor], *,
+                              model: ModelConfig | None = None, tp: int = 1, pp: int = 1) -> Path:
+    """Save a full state dict held in memory (resharded to tp x pp when asked); returns the iteration folder."""
+    specs = {key: TensorSpec(tuple(tensor.shape), tensor.dtype) for key, tensor in state.items()}
+    return stream_megatron_checkpoint(root, iteration, specs, state.items(), model=model, tp=tp, pp=pp)

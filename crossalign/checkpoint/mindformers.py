@@ -23,6 +23,7 @@ from typing import Mapping
 import torch
 
 from crossalign.checkpoint.atomic import atomic_directory, write_text_atomic
+from crossalign.checkpoint.blocks import ReusedBuffer
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.safetensors_io import FLOATING, TensorInfo, read_header, read_tensor, write_safetensors
 
@@ -71,12 +72,16 @@ class MindFormersCheckpoint:
     def optimizer_entries(self) -> dict[str, TensorInfo]:
         return {name: info for name, (path, info) in self.entries.items() if is_optimizer_entry(path, name)}
 
-    def tensor(self, name: str, floating_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One tensor; a floating one is converted to ``floating_dtype`` (when given) while it is read."""
+    def tensor(self, name: str, floating_dtype: torch.dtype | None = None,
+               buffer: ReusedBuffer | None = None) -> torch.Tensor:
+        """One tensor; a floating one is converted to ``floating_dtype`` (when given) while it is read.
+
+        It is read into ``buffer`` when given, and valid only until the buffer is used again.
+        """
         if name not in self.entries:
             raise CheckpointError(f"{self.directory}: no tensor {name!r}")
         path, info = self.entries[name]
-        return read_tensor(path, info, floating_dtype if info.dtype in FLOATING else None)
+        return read_tensor(path, info, floating_dtype if info.dtype in FLOATING else None, buffer)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """Model weights only (no optimizer entries), all loaded."""

@@ -133,20 +133,21 @@ def _stage_of_key(key: str, layers_per_stage: int, pp: int, mtp: bool) -> list[t
     return [(pp - 1, key)]
 
 
-def split_state(state: dict[str, torch.Tensor], model: ModelConfig, tp: int, pp: int,
-                pp_rank: int) -> dict[int, dict[str, torch.Tensor]]:
-    """The shards of pipeline stage ``pp_rank``, per tensor-parallel rank (one stage at a time, to bound memory)."""
-    check_parallel_sizes(model, tp, pp)
-    per_tp: dict[int, dict[str, torch.Tensor]] = {rank: {} for rank in range(tp)}
-    layers_per_stage = model.num_layers // pp
-    for key, tensor in state.items():
-        for stage, local_key in _stage_of_key(key, layers_per_stage, pp, model.mtp_num_layers > 0):
-            if stage != pp_rank:
-                continue
-            shards = split_tensor(tensor, partition_of(key, tensor.dim(), model), tp) if tp > 1 else [tensor]
-            for rank, shard in enumerate(shards):
-                per_tp[rank][local_key] = shard
-    return per_tp
+def shard_tensor(key: str, tensor: torch.Tensor, model: ModelConfig | None, tp: int,
+                 pp: int) -> list[tuple[Rank, str, torch.Tensor]]:
+    """Where one tensor of the full model goes in a tp x pp checkpoint: (rank, its key there, the shard) per rank.
+
+    One tensor at a time, so that a checkpoint can be resharded while it is written.
+    """
+    if tp == 1 and pp == 1:
+        return [((0, 0), key, tensor)]
+    if model is None:
+        raise CheckpointError(f"splitting {key!r} into tp={tp} pp={pp} shards needs the model config")
+    placed = []
+    for stage, local_key in _stage_of_key(key, model.num_layers // pp, pp, model.mtp_num_layers > 0):
+        shards = split_tensor(tensor, partition_of(key, tensor.dim(), model), tp) if tp > 1 else [tensor]
+        placed += [((rank, stage), local_key, shard) for rank, shard in enumerate(shards)]
+    return placed
 
 
 def merge_shards(shards: dict[Rank, dict[str, torch.Tensor]], model: ModelConfig | None) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from typing import BinaryIO, Iterable, Iterator, Mapping
 import torch
 from safetensors import safe_open
 
+from crossalign.checkpoint.blocks import BLOCK_BYTES, ReusedBuffer
 from crossalign.checkpoint.errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -30,7 +31,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOATING = frozenset(name for name, dtype in DTYPES.items() if dtype.is_floating_point)
-BLOCK_BYTES = 64 * 2**20  # tensors that are converted or streamed move in row blocks of about this size
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,16 @@ def _read_into(handle: BinaryIO, path: Path, name: str, target: torch.Tensor) ->
         done += got
 
 
-def read_tensor(path: Path, info: TensorInfo, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One tensor, read into memory of its own; converted to ``dtype`` block by block when given."""
+def read_tensor(path: Path, info: TensorInfo, dtype: torch.dtype | None = None,
+                buffer: ReusedBuffer | None = None) -> torch.Tensor:
+    """One tensor, converted to ``dtype`` block by block when given.
+
+    It is read into memory of its own, or into ``buffer`` when given (then it is valid only
+    until the buffer is used again).
+    """
     source_dtype = DTYPES[info.dtype]
-    tensor = torch.empty(info.shape, dtype=dtype or source_dtype)
+    target = dtype or source_dtype
+    tensor = buffer.view(info.shape, target) if buffer is not None else torch.empty(info.shape, dtype=target)
     if tensor.dtype == source_dtype:
         with open(path, "rb", buffering=0) as handle:
             handle.seek(info.offset)
@@ -102,20 +108,22 @@ def read_tensor(path: Path, info: TensorInfo, dtype: torch.dtype | None = None) 
     return tensor
 
 
-def read_rows(path: Path, info: TensorInfo, max_bytes: int) -> Iterator[torch.Tensor]:
+def read_rows(path: Path, info: TensorInfo, max_bytes: int, buffer: ReusedBuffer | None = None) -> Iterator[torch.Tensor]:
     """A tensor in consecutive row blocks of at most about ``max_bytes`` (at least one row).
 
-    The blocks share one buffer: each is valid until the next is asked for.
+    The blocks share one buffer (``buffer`` when given, which a caller can keep from tensor
+    to tensor): each is valid until the next is asked for.
     """
     rows = info.shape[0] if info.shape else 1
     row_shape = info.shape[1:] if info.shape else ()
     row_bytes = info.nbytes // rows if rows else 0
     step = max(1, max_bytes // max(row_bytes, 1))
-    buffer = torch.empty((min(step, rows), *row_shape) if info.shape else (), dtype=DTYPES[info.dtype])
+    buffer = buffer or ReusedBuffer()
     with open(path, "rb", buffering=0) as handle:
         handle.seek(info.offset)
         for start in range(0, rows, step):
-            block = buffer[:min(step, rows - start)] if info.shape else buffer
+            shape = (min(step, rows - start), *row_shape) if info.shape else ()
+            block = buffer.view(shape, DTYPES[info.dtype])
             _read_into(handle, path, info.name, block)
             yield block
 
