@@ -135,7 +135,8 @@ class RunDisplay:
         if console.is_terminal:
             from rich.live import Live
 
-            self.live = Live(self.render(), console=console, refresh_per_second=4, get_renderable=self.render)
+            self.live = Live(self.render(), console=console, refresh_per_second=4, get_renderable=self.render,
+                             transient=True)
             self.live.__enter__()
         return self
 
