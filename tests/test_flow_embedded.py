@@ -104,7 +104,8 @@ def test_same_run_id_skips_every_finished_step(embedded):
     assert "k1" in runs.stdout and "6/6" in runs.stdout
 
 
-def test_failed_verdict_exits_1_without_retry_and_reruns_only_compare(embedded):
+def test_failed_verdict_exits_1_without_retry_and_reruns_only_compare(embedded, prefect_server):
+    """Also: with PREFECT_API_URL set, the embedded run is recorded on that server."""
     run = RunStore(embedded["store"]).run("k1")
     if not run.is_done("compare"):
         pytest.skip("needs the finished run of the previous test")
@@ -114,8 +115,9 @@ def test_failed_verdict_exits_1_without_retry_and_reruns_only_compare(embedded):
     # a Megatron log whose losses are 3% higher: what a broken conversion looks like to the comparator
     gpu_log.write_text(original.replace("lm loss: 7.", "lm loss: 7.2").replace("lm loss: 6.", "lm loss: 6.2"))
     try:
-        failed = _run(embedded, "rerun", "k1", "--step", "compare", "--store", str(run.store.root),
-                      "--retry-delay", "1")
+        failed = subprocess.run([CROSSALIGN, "rerun", "k1", "--step", "compare", "--store", str(run.store.root),
+                                 "--retry-delay", "1"], env={**embedded["env"], "PREFECT_API_URL": prefect_server.api_url},
+                                cwd=embedded["root"], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     finally:
         gpu_log.write_text(original)
     assert failed.returncode == 1, failed.stdout + failed.stderr
@@ -124,6 +126,19 @@ def test_failed_verdict_exits_1_without_retry_and_reruns_only_compare(embedded):
         assert run.manifest(step) == before[step], f"{step} must be skipped"
     assert run.manifest("compare")["details"]["verdict"] == "fail"
     assert (run.path / "logs" / "compare.log").read_text().count("step compare done") == 2, "no retry of a verdict"
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, TaskRunFilter, TaskRunFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}), get_client(sync_client=True) as client:
+        flow_runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter())
+                     if r.parameters.get("run_id") == "k1" and r.parameters.get("rerun") == ["compare"]]
+        assert len(flow_runs) == 1 and flow_runs[0].state.is_failed()
+        assert "verdict fail" in flow_runs[0].state.message
+        tasks = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(
+            any_=[flow_runs[0].id])))
+        assert {t.name for t in tasks} >= {"prepare-run", "preflight", *STEP_NAMES}
 
 
 def test_bad_input_exits_2(embedded):

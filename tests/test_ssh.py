@@ -82,7 +82,7 @@ def _host(sshd, known_hosts: str = "known_hosts") -> SshHost:
                    connect_timeout_s=10)
 
 
-def test_command_output_streams_line_by_line_into_callback_and_log(sshd, tmp_path):
+def test_command_output_streams_line_by_line_into_callback_and_log(sshd, tmp_path, caplog):
     arrivals = []
     log = tmp_path / "remote.log"
     code = SshRunner(_host(sshd)).run(
@@ -94,6 +94,8 @@ def test_command_output_streams_line_by_line_into_callback_and_log(sshd, tmp_pat
     assert lines == ["first", "to-stderr", "a", "last-without-newline"]
     assert arrivals[2][0] - arrivals[0][0] > 0.4, "lines must arrive as they are printed, not at the end"
     assert log.read_text().splitlines() == lines
+    shipped = [r.getMessage() for r in caplog.records if r.name == "crossalign.ssh"]
+    assert shipped == [f"[127.0.0.1] {line}" for line in lines], "lines reach the logger Prefect ships"
 
 
 def test_environment_and_working_directory_reach_the_remote_command(sshd, tmp_path):

@@ -4,10 +4,14 @@ Host keys are checked against known_hosts and an unknown or changed key is refus
 (``RejectPolicy``): a training host is never trusted silently. The command runs in a
 pseudo-terminal so that closing the connection (a cancelled run) hangs the remote process up
 instead of leaving it training unobserved.
+
+Every remote line is also logged on the ``crossalign.ssh`` logger, which the deployments ship to
+the Prefect run logs (``PREFECT_LOGGING_EXTRA_LOGGERS=crossalign`` in prefect.yaml).
 """
 
 from __future__ import annotations
 
+import logging
 import shlex
 import socket
 from pathlib import Path
@@ -15,6 +19,9 @@ from typing import Mapping
 
 from crossalign.agents.runner import LineCallback
 from crossalign.site import SshHost
+
+LOG = logging.getLogger("crossalign.ssh")
+LOG.setLevel(logging.INFO)  # Prefect ships extra loggers' records only at the logger's own level
 
 
 class HostKeyRejected(ValueError):
@@ -104,6 +111,13 @@ class SshRunner:
             channel.get_pty(width=500)
             channel.exec_command(remote_command(command, cwd=cwd, env=env))
             buffer = b""
+            def emit(raw: bytes) -> None:
+                line = raw.decode("utf-8", errors="replace").rstrip("\r")
+                if log is not None:
+                    log.write(line + "\n")
+                LOG.info("[%s] %s", self.host.hostname, line)
+                on_line(line)
+
             while True:
                 try:
                     chunk = channel.recv(65536)
@@ -114,9 +128,9 @@ class SshRunner:
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for raw in lines:
-                    self._emit(raw, on_line, log)
+                    emit(raw)
             if buffer:
-                self._emit(buffer, on_line, log)
+                emit(buffer)
             status = channel.recv_exit_status()
             if status == -1:
                 raise SshConnectionError(f"ssh {self.host.hostname}: connection closed before the command ended")
@@ -135,10 +149,3 @@ class SshRunner:
             return self.run(shlex.join(["bash", str(script)]), on_line=on_line, log_path=log_path, cwd=workdir)
 
         return run_script
-
-    @staticmethod
-    def _emit(raw: bytes, on_line: LineCallback, log) -> None:
-        line = raw.decode("utf-8", errors="replace").rstrip("\r")
-        if log is not None:
-            log.write(line + "\n")
-        on_line(line)
