@@ -38,7 +38,7 @@ Mode = Literal["distributed", "embedded"]
 PREFLIGHT_BATCHES = 3  # global batches whose token digests must agree between the two sides
 
 
-@task(name="prepare-run", cache_policy=NO_CACHE)
+@task(name="prepare-run", task_run_name="prepare-run", cache_policy=NO_CACHE)
 def prepare(store: str, config: str | None, run_id: str, overrides: list[str], dataset: DatasetFiles | None,
             rerun: list[str]) -> str:
     """Create or reopen the run, settle its dataset, and invalidate the steps asked to rerun (once per flow run).
@@ -61,7 +61,7 @@ def prepare(store: str, config: str | None, run_id: str, overrides: list[str], d
     return run.run_id
 
 
-@task(name="preflight", cache_policy=NO_CACHE)
+@task(name="preflight", task_run_name="preflight", cache_policy=NO_CACHE)
 def preflight(store: str, run_id: str) -> None:
     """Refuse a run whose two sides would not train the same thing, before any machine is busy."""
     logger = get_run_logger()
