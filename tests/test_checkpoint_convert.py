@@ -225,6 +225,19 @@ def test_checkpoint_round_trip_through_files(tmp_path, moe_state):
     assert torch.load(up.files[0], weights_only=True)["model"]["output_layer.weight"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("experts", ["per_expert", "stacked"])
+def test_bf16_checkpoint_converts_to_the_fp32_bits_of_casting_first(tmp_path, dense_state, moe_state, experts):
+    """The file is written rule by rule from reused read buffers and cast while written: same keys, order, bits."""
+    for model, state in ((DENSE, dense_state), (MOE, moe_state)):
+        bf16 = {k: v.bfloat16() for k, v in state.items()}
+        source = _mf_checkpoint(tmp_path / model.name / "ms", model, bf16)
+        report = convert_checkpoint(model, "ms2mg", source, tmp_path / model.name / "mg", experts=experts)
+        written = torch.load(report.files[0], weights_only=True)["model"]
+        expected = mindformers_to_megatron({k: v.float() for k, v in bf16.items()}, model, experts=experts)
+        assert list(written) == list(expected) and _same(written, expected)
+        assert report.bytes_out == sum(t.numel() * 4 for t in expected.values())
+
+
 def test_a_mismatch_writes_nothing(tmp_path, dense_state):
     broken = dict(dense_state)
     broken["decoder.layers.1.mlp.linear_fc2.weight"] = torch.zeros(3, 3)

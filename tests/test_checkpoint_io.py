@@ -3,14 +3,17 @@
 import datetime
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from crossalign.checkpoint.blocks import BlockCaster, ReusedBuffer, one_thread
 from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.megatron import read_megatron_checkpoint, write_megatron_checkpoint
+from crossalign.checkpoint.megatron import read_megatron_checkpoint, stream_megatron_checkpoint, write_megatron_checkpoint
 from crossalign.checkpoint.mindformers import (
     default_common,
     read_mindformers_checkpoint,
@@ -20,9 +23,11 @@ from crossalign.checkpoint.safetensors_io import (
     SafetensorsWriter,
     TensorInfo,
     read_header,
+    read_rows,
     read_tensor,
     write_safetensors,
 )
+from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter
 
 TENSORS = {
     "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
@@ -210,3 +215,125 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path):
         write_mindformers_checkpoint(root, 4, {"bad": torch.ones(2, dtype=torch.complex64)}, None, default_common(4))
     assert sorted(p.name for p in root.iterdir()) == ["iteration_00000003", "latest_checkpointed_iteration.txt"]
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def _announce(tensors: dict) -> dict:
+    return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def test_torch_file_written_tensor_by_tensor_loads_with_weights_only(tmp_path):
+    """Same content as torch.save, bit for bit, with floats cast on the way (bf16 in, fp32 out)."""
+    tensors = {"w": torch.randn(5, 3).bfloat16(), "scalar": torch.tensor(2.5).bfloat16(), "step": torch.arange(4),
+               "empty": torch.zeros(0, 2), "flag": torch.tensor([True, False])}
+    specs = {name: TensorSpec(tuple(t.shape), torch.float32 if t.is_floating_point() else t.dtype)
+             for name, t in tensors.items()}
+    file = tmp_path / "model.pt"
+    with TorchFileWriter(file, {"iteration": 3, "note": "x"}, "model", specs, BlockCaster(max_bytes=8)) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+    loaded = torch.load(file, weights_only=True)
+    assert loaded["iteration"] == 3 and loaded["note"] == "x" and list(loaded["model"]) == list(tensors)
+    for name, tensor in tensors.items():
+        assert loaded["model"][name].dtype == specs[name].dtype
+        assert torch.equal(loaded["model"][name], tensor.to(specs[name].dtype))
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(file) == []
+
+
+def test_torch_file_rejects_what_was_not_announced(tmp_path):
+    specs = _announce({"a": torch.zeros(2), "b": torch.zeros(3, dtype=torch.int64)})
+    cases = [("b", torch.zeros(3, dtype=torch.int64), "expected 'a'"),
+             ("a", torch.zeros(3), r"expected 'a' torch.float32 \[2\], got 'a' torch.float32 \[3\]"),
+             ("a", torch.zeros(2, dtype=torch.int32), "got 'a' torch.int32")]
+    for name, tensor, message in cases:
+        with pytest.raises(CheckpointError, match=message):
+            with TorchFileWriter(tmp_path / "x.pt", {}, "model", specs) as writer:
+                writer.write(name, tensor)
+    with pytest.raises(CheckpointError, match="'b' torch.int64 \\[3\\], got 'b' torch.float32"):
+        with TorchFileWriter(tmp_path / "x.pt", {}, "model", specs) as writer:
+            writer.write("a", torch.ones(2))
+            writer.write("b", torch.ones(3))  # an integer record is never cast into
+    with pytest.raises(CheckpointError, match="1 announced tensors were never written, first 'b'"):
+        with TorchFileWriter(tmp_path / "x.pt", {}, "model", specs) as writer:
+            writer.write("a", torch.ones(2))
+    with pytest.raises(CheckpointError, match="'c' was not announced"):
+        with TorchFileWriter(tmp_path / "x.pt", {}, "model", specs) as writer:
+            writer.write("a", torch.ones(2))
+            writer.write("b", torch.ones(3, dtype=torch.int64))
+            writer.write("c", torch.ones(1))
+    with pytest.raises(CheckpointError, match="stored 3 tensors, 2 were announced"):
+        TorchFileWriter(tmp_path / "y.pt", {"extra": torch.ones(1)}, "model", specs)
+
+
+def test_megatron_checkpoint_streams_and_a_bad_tensor_leaves_nothing(tmp_path):
+    specs = {"a.weight": TensorSpec((4, 2), torch.float32), "b.weight": TensorSpec((3,), torch.float32)}
+    a, b = torch.randn(4, 2).bfloat16(), torch.randn(3).bfloat16()
+    stream_megatron_checkpoint(tmp_path / "mg", 7, specs, iter([("a.weight", a), ("b.weight", b)]))
+    loaded = read_megatron_checkpoint(tmp_path / "mg").state
+    assert torch.equal(loaded["a.weight"], a.float()) and torch.equal(loaded["b.weight"], b.float())
+
+    def wrong_second():
+        yield "a.weight", a
+        yield "b.weight", torch.zeros(4)
+
+    with pytest.raises(CheckpointError, match=r"expected 'b.weight' torch.float32 \[3\]"):
+        stream_megatron_checkpoint(tmp_path / "new", 7, specs, wrong_second())
+    with pytest.raises(CheckpointError, match="'b.weight' was not announced in this place"):
+        stream_megatron_checkpoint(tmp_path / "new", 7, specs, iter([("b.weight", b), ("a.weight", a)]))
+    with pytest.raises(CheckpointError, match="never written, first 'b.weight'"):
+        stream_megatron_checkpoint(tmp_path / "new", 7, specs, iter([("a.weight", a)]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mg"]
+
+
+def test_reused_buffer_hands_out_the_same_memory():
+    buffer = ReusedBuffer()
+    first = buffer.view((4, 4), torch.float32)
+    assert buffer.view((2, 8), torch.bfloat16).data_ptr() == first.data_ptr()  # smaller: the same memory
+    grown = buffer.view((100,), torch.float32)
+    assert grown.shape == (100,) and buffer.view((3,), torch.int64).data_ptr() == grown.data_ptr()
+
+
+def test_rows_are_read_into_a_buffer_kept_across_tensors(tmp_path):
+    path = tmp_path / "x.safetensors"
+    tensors = {"a": torch.randn(10, 4), "b": torch.randn(6, 4).bfloat16(), "s": torch.tensor(1.5)}
+    save_file(tensors, path)
+    infos = {info.name: info for info in read_header(path)[0]}
+    buffer = ReusedBuffer()
+    buffer.view((1024,), torch.uint8)  # large enough for every tensor here: it never moves
+    pointers = set()
+    for name, tensor in tensors.items():
+        blocks = [block.clone() for block in read_rows(path, infos[name], 48, buffer)]  # 3 rows of a, 6 of b
+        pointers.add(buffer.view((1,), torch.uint8).data_ptr())
+        assert torch.equal(torch.cat(blocks) if tensor.dim() else blocks[0], tensor)
+        assert torch.equal(read_tensor(path, infos[name], buffer=buffer), tensor)
+    assert len(pointers) == 1
+
+
+def test_megatron_checkpoint_is_written_in_near_constant_memory(tmp_path):
+    """24 bf16 tensors of 2 MiB stored as fp32 (a 96 MiB file): memory grows by a few tensors, not by the file."""
+    script = (  # resets the peak after the imports (clear_refs 5), then reads the peak of the save alone
+        "import sys, torch\n"
+        "from crossalign.checkpoint.megatron import stream_megatron_checkpoint\n"
+        "from crossalign.checkpoint.torch_file import TensorSpec\n"
+        "def kib(field): return int(open('/proc/self/status').read().split(field + ':')[1].split()[0])\n"
+        "specs = {f't{i}': TensorSpec((2**20,), torch.float32) for i in range(24)}\n"
+        "tensors = ((f't{i}', torch.full((2**20,), float(i), dtype=torch.bfloat16)) for i in range(24))\n"
+        "open('/proc/self/clear_refs', 'w').write('5')\n"
+        "base = kib('VmRSS')\n"
+        "stream_megatron_checkpoint(sys.argv[1], 1, specs, tensors)\n"
+        "print((kib('VmHWM') - base) // 1024)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "mg")], capture_output=True, text=True,
+                          check=True)
+    growth_mib = int(done.stdout.strip())
+    assert growth_mib < 48, f"peak memory grew by {growth_mib} MiB while writing a 96 MiB checkpoint"
+    model = read_megatron_checkpoint(tmp_path / "mg").state
+    assert model["t23"].dtype == torch.float32 and model["t23"][0] == 23 and len(model) == 24
+
+
+def test_one_thread_is_scoped():
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError):
+        with one_thread():
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("the setting comes back after an error too")
+    assert torch.get_num_threads() == before

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from crossalign.checkpoint.atomic import atomic_directory, check_output_dir
-from crossalign.checkpoint.blocks import BlockCaster, ReusedBuffer
+from crossalign.checkpoint.blocks import BlockCaster, ReusedBuffer, one_thread
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.mindformers import TRACKER, read_mindformers_checkpoint
 from crossalign.checkpoint.safetensors_io import (
@@ -84,7 +84,7 @@ def cast_bf16(input_dir: Path, output_dir: Path, progress: Progress | None = Non
             progress(done, total, name)
 
     reads, caster = ReusedBuffer(), BlockCaster(BLOCK_BYTES)  # one block of memory each for the whole checkpoint
-    with atomic_directory(output_dir) as staging:
+    with atomic_directory(output_dir) as staging, one_thread():
         target_dir = staging
         if checkpoint.tracker_root is not None:
             shutil.copy2(checkpoint.tracker_root / TRACKER, staging / TRACKER)

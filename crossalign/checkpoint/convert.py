@@ -5,6 +5,11 @@ shape table, runs the rules (each input key exactly once), checks the output aga
 other side's table, and only then writes. Any mismatch is a ``CheckpointError`` that names
 the keys, and nothing is written. A fault-injected conversion (``faults.py``) skips the
 output check on purpose, with a warning.
+
+MindSpore -> Megatron streams: the output keys are checked and the Megatron files laid out
+from the tables before any tensor is read, then each rule reads its inputs into reused
+buffers and its outputs go straight into their records, cast on the way (``torch_file.py``),
+so memory holds one rule's tensors whatever the model size.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Callable, Iterable, Iterator, Literal, Mapping
 import torch
 
 from crossalign.checkpoint.atomic import check_output_dir
-from crossalign.checkpoint.blocks import ReusedBuffer
+from crossalign.checkpoint.blocks import ReusedBuffer, one_thread
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.faults import inject_fault
 from crossalign.checkpoint.layout import check_expert_form, megatron_shapes, mindformers_shapes
@@ -280,7 +285,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
             specs = {key: TensorSpec(tuple(t.shape), _stored_dtype(t.dtype, dtype)) for key, t in state.items()}
             tensors = state.items()
         keys_out, bytes_out = len(specs), sum(spec.nbytes for spec in specs.values())
-        written = stream_megatron_checkpoint(output_dir, iteration, specs, tensors, model=model, tp=tp, pp=pp)
+        with one_thread():
+            written = stream_megatron_checkpoint(output_dir, iteration, specs, tensors, model=model, tp=tp, pp=pp)
         files = sorted(written.glob("mp_rank_*/*.pt"))
     else:
         source_mg = read_megatron_checkpoint(input_dir, model)

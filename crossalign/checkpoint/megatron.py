@@ -8,7 +8,8 @@ Layout::
 
 Each file holds ``{"checkpoint_version": 3.0, "iteration": N, "model": {...}}`` and nothing
 else, so it loads with torch's default ``weights_only=True`` and needs no patch to Megatron
-(an ``args`` Namespace is optional for ``--finetune`` and is left out).
+(an ``args`` Namespace is optional for ``--finetune`` and is left out). Files are written a
+tensor at a time (``torch_file.py``), so saving never holds a second copy of the model.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from crossalign.checkpoint.atomic import atomic_directory, write_text_atomic
 from crossalign.checkpoint.blocks import BlockCaster
 from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.reshard import Rank, check_parallel_sizes, merge_shards, shard_tensor
+from crossalign.checkpoint.reshard import Rank, check_parallel_sizes, merge_shards, shard_shapes, shard_tensor
 from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter
 from crossalign.config import ModelConfig
 
@@ -122,11 +123,11 @@ def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None) -> Me
 
 def _rank_specs(specs: Mapping[str, TensorSpec], model: ModelConfig | None, tp: int,
                 pp: int) -> dict[Rank, dict[str, TensorSpec]]:
-    """What each rank file holds, found by sharding shape-only (meta) tensors."""
+    """What each rank file holds, in the order the tensors come."""
     per_rank: dict[Rank, dict[str, TensorSpec]] = {(t, p): {} for p in range(pp) for t in range(tp)}
     for key, spec in specs.items():
-        for rank, local_key, shard in shard_tensor(key, torch.empty(spec.shape, device="meta"), model, tp, pp):
-            per_rank[rank][local_key] = TensorSpec(tuple(shard.shape), spec.dtype)
+        for rank, local_key, shape in shard_shapes(key, spec.shape, model, tp, pp):
+            per_rank[rank][local_key] = TensorSpec(shape, spec.dtype)
     return per_rank
 
 

@@ -133,21 +133,39 @@ def _stage_of_key(key: str, layers_per_stage: int, pp: int, mtp: bool) -> list[t
     return [(pp - 1, key)]
 
 
+def _placements(key: str, model: ModelConfig | None, tp: int, pp: int) -> list[tuple[int, str]]:
+    """The pipeline stages that hold ``key``, with its name there (model needed beyond a single rank)."""
+    if tp == 1 and pp == 1:
+        return [(0, key)]
+    if model is None:
+        raise CheckpointError(f"splitting {key!r} into tp={tp} pp={pp} shards needs the model config")
+    return _stage_of_key(key, model.num_layers // pp, pp, model.mtp_num_layers > 0)
+
+
 def shard_tensor(key: str, tensor: torch.Tensor, model: ModelConfig | None, tp: int,
                  pp: int) -> list[tuple[Rank, str, torch.Tensor]]:
     """Where one tensor of the full model goes in a tp x pp checkpoint: (rank, its key there, the shard) per rank.
 
     One tensor at a time, so that a checkpoint can be resharded while it is written.
     """
-    if tp == 1 and pp == 1:
-        return [((0, 0), key, tensor)]
-    if model is None:
-        raise CheckpointError(f"splitting {key!r} into tp={tp} pp={pp} shards needs the model config")
     placed = []
-    for stage, local_key in _stage_of_key(key, model.num_layers // pp, pp, model.mtp_num_layers > 0):
+    for stage, local_key in _placements(key, model, tp, pp):
         shards = split_tensor(tensor, partition_of(key, tensor.dim(), model), tp) if tp > 1 else [tensor]
         placed += [((rank, stage), local_key, shard) for rank, shard in enumerate(shards)]
     return placed
+
+
+def shard_shapes(key: str, shape: tuple[int, ...], model: ModelConfig | None, tp: int,
+                 pp: int) -> list[tuple[Rank, str, tuple[int, ...]]]:
+    """What ``shard_tensor`` gives for a tensor of ``shape``, without the tensor: to lay out files before it comes.
+
+    Every segment along the split dimension splits evenly (``split_tensor`` checks it), so a
+    shard is 1/tp of the full length there.
+    """
+    placements = _placements(key, model, tp, pp)
+    dim = partition_of(key, len(shape), model).dim if tp > 1 else None
+    local = shape if dim is None else (*shape[:dim], shape[dim] // tp, *shape[dim + 1:])
+    return [((rank, stage), local_key, local) for stage, local_key in placements for rank in range(tp)]
 
 
 def merge_shards(shards: dict[Rank, dict[str, torch.Tensor]], model: ModelConfig | None) -> dict[str, torch.Tensor]:
