@@ -204,6 +204,8 @@ def _finish(run_id: str, root: Path, state) -> int:
         command = ["crossalign", "run", parameters["config"], "--run-id", run_id, "--store", str(root)]
         for override in parameters.get("overrides", []):
             command += ["--set", override]
+        if parameters.get("mode") == "distributed":
+            command.append("--distributed")
         err_console.print(f"resume with: {shlex.join(command)}", highlight=False, soft_wrap=True)
     return EXIT_FAIL
 
@@ -259,7 +261,9 @@ def register(app: typer.Typer) -> None:
         run_id: str = typer.Argument(..., help="the run to redo part of"),
         step: str = typer.Option(..., "--step", help="the step to redo; everything downstream is redone too"),
         store: Optional[Path] = typer.Option(None, "--store", help="the run store (default: the site's store)"),
-        distributed: bool = typer.Option(False, "--distributed", help="dispatch the steps to the pools' workers"),
+        distributed: Optional[bool] = typer.Option(None, "--distributed/--embedded",
+                                                   help="dispatch the steps to the pools' workers, or run them "
+                                                   "here (default: as the run was started)"),
         retries: int = typer.Option(2, help="attempts after an infrastructure failure"),
         retry_delay: float = typer.Option(10.0, help="seconds before the first retry"),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's own log lines"),
@@ -270,8 +274,10 @@ def register(app: typer.Typer) -> None:
 
         with user_errors(SiteError, StoreError):
             root = _store_root(store)
-            RunStore(root).run(run_id)
+            run = RunStore(root).run(run_id)
             affected = downstream(step)
+        if distributed is None:
+            distributed = run.info["parameters"].get("mode") == "distributed"
         console.print(f"redoing {', '.join(affected)}", highlight=False)
         raise typer.Exit(_run_flow(config=None, run_id=run_id, root=root, overrides=[], rerun=[step],
                                    distributed=distributed, retries=retries, retry_delay=retry_delay,

@@ -40,7 +40,7 @@ PREFLIGHT_BATCHES = 3  # global batches whose token digests must agree between t
 
 @task(name="prepare-run", task_run_name="prepare-run", cache_policy=NO_CACHE)
 def prepare(store: str, config: str | None, run_id: str, overrides: list[str], dataset: DatasetFiles | None,
-            rerun: list[str]) -> str:
+            rerun: list[str], mode: str) -> str:
     """Create or reopen the run, settle its dataset, and invalidate the steps asked to rerun (once per flow run).
 
     Without ``config`` the run must exist and is reopened as it was.
@@ -49,7 +49,7 @@ def prepare(store: str, config: str | None, run_id: str, overrides: list[str], d
     if config is None:
         run = RunStore(store).run(run_id)
     else:
-        run = prepare_run(RunStore(store), config, run_id=run_id, overrides=overrides, dataset=dataset)
+        run = prepare_run(RunStore(store), config, run_id=run_id, overrides=overrides, dataset=dataset, mode=mode)
     logger.info(f"run {run.run_id} in {run.path} (dataset {run.dataset.prefix})")
     if rerun:
         token = str(current_flow_run.get_id() or "")
@@ -136,7 +136,7 @@ def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = Non
         if config is None:
             raise ConfigError("give a config, or the run_id of an existing run to reopen")
         run_id = f"{resolve_config(config, overrides or [])[0].model.name}-{str(current_flow_run.get_id())[:8]}"
-    run_id = prepare(root, config, run_id, list(overrides or []), dataset, list(rerun or []))
+    run_id = prepare(root, config, run_id, list(overrides or []), dataset, list(rerun or []), mode)
     preflight(root, run_id)
 
     launcher = step_task.with_options(retries=retries, retry_delay_seconds=backoff_delays(retry_delay_s, retries))

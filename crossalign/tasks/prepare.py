@@ -115,11 +115,16 @@ def shared_dataset(store: RunStore, vocab_size: int) -> DatasetFiles:
 
 
 def prepare_run(store: RunStore, config_name: str | Path, *, run_id: str | None = None,
-                overrides: list[str] | tuple[str, ...] = (), dataset: DatasetFiles | None = None) -> Run:
-    """Create the run (or reopen it with the same config), with its dataset recorded in run.json."""
+                overrides: list[str] | tuple[str, ...] = (), dataset: DatasetFiles | None = None,
+                mode: str = "embedded") -> Run:
+    """Create the run (or reopen it with the same config), with its dataset recorded in run.json.
+
+    ``mode`` (embedded or distributed) is recorded when the run is created, so that a later
+    ``crossalign rerun`` redoes steps the same way.
+    """
     config, path = resolve_config(config_name, overrides)
     run_id = run_id or default_run_id(config)
-    parameters = {"config": str(config_name), "overrides": list(overrides),
+    parameters = {"config": str(config_name), "overrides": list(overrides), "mode": mode,
                   "dataset": None if dataset is None else {"prefix": str(dataset.prefix),
                                                            "tokenizer": str(dataset.tokenizer)}}
     if store.exists(run_id):
