@@ -87,8 +87,7 @@ def test_command_output_streams_line_by_line_into_callback_and_log(sshd, tmp_pat
     log = tmp_path / "remote.log"
     code = SshRunner(_host(sshd)).run(
         "echo first; echo to-stderr >&2; sleep 0.6; printf 'a\\nlast-without-newline'; exit 3",
-        on_line=lambda line: arrivals.append((time.monotonic(), line)), log_path=log, cwd="/tmp",
-        env={"GREETING": "hi there"})
+        on_line=lambda line: arrivals.append((time.monotonic(), line)), log_path=log, cwd="/tmp")
     lines = [line for _, line in arrivals]
     assert code == 3
     assert lines == ["first", "to-stderr", "a", "last-without-newline"]
@@ -98,11 +97,14 @@ def test_command_output_streams_line_by_line_into_callback_and_log(sshd, tmp_pat
     assert shipped == [f"[127.0.0.1] {line}" for line in lines], "lines reach the logger Prefect ships"
 
 
-def test_environment_and_working_directory_reach_the_remote_command(sshd, tmp_path):
+def test_compound_command_runs_in_the_working_directory(sshd, tmp_path):
+    folder = tmp_path / "with space; and semicolon"
+    folder.mkdir()
     lines = []
-    code = SshRunner(_host(sshd)).run('echo "$GREETING"; pwd', on_line=lines.append, cwd=tmp_path,
-                                      env={"GREETING": "hello; rm -rf /"})
-    assert code == 0 and lines == ["hello; rm -rf /", str(tmp_path)]
+    code = SshRunner(_host(sshd)).run("pwd; echo 'two words'", on_line=lines.append, cwd=folder)
+    assert code == 0 and lines == [str(folder), "two words"]
+    assert SshRunner(_host(sshd)).run("echo never", on_line=lines.append, cwd=tmp_path / "missing") != 0
+    assert "never" not in lines
 
 
 def test_script_runner_runs_a_backend_run_script_remotely(sshd, tmp_path):

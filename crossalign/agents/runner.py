@@ -10,29 +10,24 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 LineCallback = Callable[[str], None]
 
 
-def run_streaming(argv: Sequence[str], *, on_line: LineCallback, log_path: Path | None = None,
-                  env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                  on_start: Callable[[int], None] | None = None) -> int:
+def run_streaming(argv: Sequence[str], *, on_line: LineCallback, log_path: Path | None = None) -> int:
     """Run ``argv`` with stderr merged into stdout; returns the exit code (negative: killed by that signal).
 
-    ``env`` is added to this process's environment. If the caller is interrupted, the child is
-    killed rather than left running unobserved.
+    If the caller is interrupted, the child is killed rather than left running unobserved.
     """
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "a", buffering=1)
     try:
         with subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              bufsize=1, env=full_env, cwd=cwd, errors="replace") as proc:
-            if on_start is not None:
-                on_start(proc.pid)
+                              bufsize=1, env=env, errors="replace") as proc:
             try:
                 assert proc.stdout is not None
                 for raw in proc.stdout:

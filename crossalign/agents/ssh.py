@@ -15,8 +15,6 @@ import logging
 import shlex
 import socket
 from pathlib import Path
-from typing import Mapping
-
 from crossalign.agents.runner import LineCallback
 from crossalign.site import SshHost
 
@@ -40,19 +38,15 @@ def known_hosts_path(host: SshHost) -> Path:
     return Path(host.known_hosts or "~/.ssh/known_hosts").expanduser()
 
 
-def remote_command(command: str, *, cwd: Path | str | None = None, env: Mapping[str, str] | None = None) -> str:
-    """``cd CWD && export K=V ... && eval COMMAND``, every value quoted for the remote shell.
+def remote_command(command: str, *, cwd: Path | str | None = None) -> str:
+    """``cd CWD && eval COMMAND``, quoted for the remote shell.
 
     ``eval`` keeps a compound command (``a; b``) together behind the ``cd``: nothing runs in the
     wrong directory if the ``cd`` fails.
     """
-    parts = []
-    if cwd is not None:
-        parts.append(f"cd {shlex.quote(str(cwd))}")
-    if env:
-        parts.append("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
-    parts.append(f"eval {shlex.quote(command)}")
-    return " && ".join(parts)
+    if cwd is None:
+        return command
+    return f"cd {shlex.quote(str(cwd))} && eval {shlex.quote(command)}"
 
 
 class SshRunner:
@@ -96,7 +90,7 @@ class SshRunner:
         return client
 
     def run(self, command: str, *, on_line: LineCallback, log_path: Path | None = None,
-            cwd: Path | str | None = None, env: Mapping[str, str] | None = None, append_log: bool = False) -> int:
+            cwd: Path | str | None = None) -> int:
         """Run ``command`` remotely; every output line goes to ``on_line`` and ``log_path``. Returns its exit code.
 
         A connection lost before the command ended raises SshConnectionError.
@@ -105,11 +99,11 @@ class SshRunner:
         log = None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = open(log_path, "a" if append_log else "w", buffering=1)
+            log = open(log_path, "w", buffering=1)
         try:
             channel = client.get_transport().open_session()
             channel.get_pty(width=500)
-            channel.exec_command(remote_command(command, cwd=cwd, env=env))
+            channel.exec_command(remote_command(command, cwd=cwd))
             buffer = b""
             def emit(raw: bytes) -> None:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r")

@@ -55,12 +55,11 @@ def execute_here(run: Run, step: str, site: SiteConfig, reporter: StepReporter) 
         raise error from exc
 
 
-def execute_subprocess(run: Run, step: str, reporter: StepReporter, *, embedded: bool = True,
-                       site_file: str | None = None) -> dict[str, Any]:
-    """Carry out ``step`` as a local ``python -m crossalign.tasks`` process, streaming its output."""
+def execute_subprocess(run: Run, step: str, reporter: StepReporter) -> dict[str, Any]:
+    """Carry out ``step`` as a local ``python -m crossalign.tasks --embedded`` process, streaming its output."""
     from crossalign.agents.runner import run_streaming
 
-    argv = step_argv(str(run.store.root), run.run_id, step, embedded=embedded, site_file=site_file)
+    argv = step_argv(str(run.store.root), run.run_id, step, embedded=True)
     reporter.logger.info(f"{step}: {shlex.join(argv)}")
     code = run_streaming(argv, on_line=reporter.on_line, log_path=step_log_path(run, step))
     if code != 0:

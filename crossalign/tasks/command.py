@@ -8,13 +8,10 @@ import sys
 from crossalign.store import Run
 
 
-def step_argv(store: str, run_id: str, step: str, *, python: str | None = None, embedded: bool = False,
-              site_file: str | None = None) -> list[str]:
-    argv = [python or sys.executable, "-m", "crossalign.tasks", "--store", store, "--run", run_id, "--step", step]
+def step_argv(store: str, run_id: str, step: str, *, embedded: bool = False) -> list[str]:
+    argv = [sys.executable, "-m", "crossalign.tasks", "--store", store, "--run", run_id, "--step", step]
     if embedded:
         argv.append("--embedded")
-    if site_file:
-        argv += ["--site", site_file]
     return argv
 
 
