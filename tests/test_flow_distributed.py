@@ -43,17 +43,17 @@ def stack(prefect_server, tmp_path_factory):
     site = root / "site.yaml"
     site.write_text(f"store: {store}\nbackends: {{npu: local, gpu: local}}\n")
     env = {**prefect_server.env, "CROSSALIGN_SITE": str(site)}
-    deployed = _crossalign("deploy", "--prefect-file", str(REPO / "prefect.yaml"), env=env)
-    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     workers, logs = [], []
     try:
-        for pool in POOLS:
+        for pool in POOLS:  # the agents probe their machine while the flows are deployed
             log = open(root / f"worker-{pool}.log", "w")
             logs.append(log)
             workers.append(subprocess.Popen(
                 [CROSSALIGN, "agent", "start", "--pool", pool,
                  "--site", str(site), "--name", f"test-{pool}"],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root))
+        deployed = _crossalign("deploy", "--prefect-file", str(REPO / "prefect.yaml"), env=env)
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         yield {"store": store, "site": site, "env": env, "root": root}
     finally:
         for worker in workers:  # workers go before the server
