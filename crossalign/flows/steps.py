@@ -1,9 +1,9 @@
 """One flow per step: the deployable units, each deployed on its own work pool (prefect.yaml).
 
 A step flow runs on a worker of its pool, reads the run from the shared store, and carries the
-step out there (in-process, or over SSH where the site says so). It is idempotent: a step whose
-manifest is valid is reported as done without redoing it, so a duplicate or retried flow run
-is harmless. A failure is recorded in the store with whether another attempt could help; the
+step out in its own process (a real backend may still run its framework on an SSH host). It is
+idempotent: a step whose manifest is valid is reported as done without redoing it, so a
+duplicate or retried flow run is harmless. A failure is recorded in the store with whether another attempt could help; the
 parent reads it to decide on a retry.
 """
 
@@ -13,7 +13,6 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from crossalign.flows.events import StepEvent, emit
 from crossalign.flows.launch import execute_here
 from crossalign.flows.reporting import StepReporter
 from crossalign.flows.summary import publish_compare
@@ -23,6 +22,7 @@ from crossalign.tasks.errors import InfrastructureError, StepFailed
 
 
 def execute_step_flow(step: str, run_id: str, store: str | None, force: bool) -> dict[str, Any]:
+    """The body of every step flow; ``force`` first invalidates the step and everything downstream."""
     logger = get_run_logger()
     site = load_site()
     run = RunStore(store or site.store).run(run_id)
@@ -35,7 +35,6 @@ def execute_step_flow(step: str, run_id: str, store: str | None, force: bool) ->
         return {"step": step, "status": "skipped", "host": manifest["host"]}
     spec = step_spec(step)
     logger.info(f"{step} ({spec.title}) of run {run_id} on the {spec.pool} pool, store {run.store.root}")
-    emit(StepEvent(step, "started"))
     try:
         manifest = execute_here(run, step, site, StepReporter(step, run_id, logger))
     except (StepFailed, InfrastructureError) as exc:
