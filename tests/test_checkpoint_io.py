@@ -13,7 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from crossalign.checkpoint.blocks import BlockCaster, ReusedBuffer, one_thread
 from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.megatron import read_megatron_checkpoint, stream_megatron_checkpoint, write_megatron_checkpoint
+from crossalign.checkpoint.megatron import (
+    read_megatron_checkpoint,
+    stream_megatron_checkpoint,
+    write_megatron_checkpoint,
+)
 from crossalign.checkpoint.mindformers import (
     default_common,
     read_mindformers_checkpoint,

@@ -293,7 +293,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         iteration = source_mg.iteration
         loaded = source_mg.state
         keys_in, bytes_in = len(loaded), _nbytes(loaded.values())
-        state = _inverse(lambda keys: [_cast(loaded.pop(key), dtype) for key in keys], {k: tuple(t.shape) for k, t in loaded.items()},
+        shapes = {key: tuple(tensor.shape) for key, tensor in loaded.items()}
+        state = _inverse(lambda keys: [_cast(loaded.pop(key), dtype) for key in keys], shapes,
                          model, core_version, f"Megatron checkpoint {source_mg.directory}", progress)
         keys_out, bytes_out = len(state), _nbytes(state.values())
         if progress:
