@@ -181,6 +181,12 @@ def test_megatron_checkpoint_holds_only_plain_data_and_loads_with_weights_only(t
     assert all(torch.equal(loaded.state[k], v) for k, v in state.items())
 
 
+def test_megatron_checkpoint_of_parameters_that_require_grad(tmp_path):
+    weight = torch.nn.Parameter(torch.randn(3, 2))
+    write_megatron_checkpoint(tmp_path / "mg", 1, {"w": weight})
+    assert torch.equal(read_megatron_checkpoint(tmp_path / "mg").state["w"], weight.detach())
+
+
 def test_megatron_views_are_saved_without_their_whole_storage(tmp_path):
     big = torch.randn(1000, 100)
     write_megatron_checkpoint(tmp_path / "mg", 1, {"row": big[3]})

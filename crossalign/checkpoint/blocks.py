@@ -4,7 +4,8 @@ Fresh memory costs a page fault (and the kernel's zeroing) per page: reading or 
 model of gigabytes into fresh tensors spends most of its time there, not in the copy. A
 ``ReusedBuffer`` is faulted in once and handed out again for every tensor of a job; a
 ``BlockCaster`` casts any tensor through one, a block of rows at a time, so memory stays
-at about ``BLOCK_BYTES`` whatever the tensor's size.
+at about ``BLOCK_BYTES`` whatever the tensor's size, and each block is written out while it
+is still in the CPU cache.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-BLOCK_BYTES = 64 * 2**20  # tensors that are cast or streamed move in row blocks of about this size
+# Tensors that are cast or streamed move in row blocks of about this size: small enough that a
+# block is still in the CPU cache when it is written out after its cast. Measured on the real
+# dense config, a conversion took 5.2 s with 64 MiB blocks, 2.6 s with 4 MiB and 1.9 s with 1 MiB.
+BLOCK_BYTES = 2**20
 
 
 class ReusedBuffer:

@@ -5,8 +5,8 @@ folder), every safetensors file with the same tensors in the same order and the 
 metadata, floating tensors cast to bf16 and the others unchanged, and every other file of
 the folder (common.json, metadata.json) copied as is. The cast streams: each output file's
 header is written from the input header, then each tensor is read, cast, written and
-dropped, large ones in row blocks, so memory holds at most one tensor (or one block of
-64 MiB) at a time whatever the checkpoint size. Every tensor is read into, and cast into,
+dropped, in row blocks, so memory holds at most one block (``BLOCK_BYTES``) at a time
+whatever the checkpoint size. Every tensor is read into, and cast into,
 the same two buffers (``blocks.py``): fresh memory per tensor would cost a page fault per page.
 """
 

@@ -96,6 +96,7 @@ class TorchFileWriter:
             raise CheckpointError(f"{self.path}: expected {expected!r} {spec.dtype} {list(spec.shape)}, "
                                   f"got {name!r} {tensor.dtype} {list(tensor.shape)}")
         self._file.seek(offset)
+        tensor = tensor.detach()
         blocks = [tensor.contiguous()] if tensor.dtype == spec.dtype else self._caster.rows(tensor, spec.dtype)
         for block in blocks:
             self._file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
