@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -237,8 +237,39 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     raise ConfigError(f"{name_or_path}: no such config file, and no shipped config of that name (known: {known})")
 
 
-def _format_validation_error(path: Path, error: ValidationError) -> str:
-    lines = [f"{path}: invalid config"]
+class OverrideError(ConfigError):
+    """A ``--set KEY=VALUE`` override that does not name a config field or gives it a bad value."""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``training.train_iters=10`` -> (["training", "train_iters"], 10); the value is read as YAML."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise OverrideError(f"--set {text!r}: expected KEY=VALUE with a dotted key, e.g. training.train_iters=10")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as exc:
+        raise OverrideError(f"--set {text!r}: value is not valid YAML: {exc}") from None
+    return key.split("."), parsed
+
+
+def _apply_overrides(raw: dict, overrides: Sequence[str]) -> None:
+    for text in overrides:
+        keys, value = parse_override(text)
+        if keys[0] not in ("model", "training"):
+            raise OverrideError(f"--set {text!r}: keys start with 'model.' or 'training.'")
+        node = raw
+        for depth, key in enumerate(keys[:-1]):
+            child = node.get(key) if isinstance(node, dict) else None
+            if not isinstance(child, dict):
+                raise OverrideError(f"--set {text!r}: {'.'.join(keys[:depth + 1])} is not a config section")
+            node = child
+        node[keys[-1]] = value
+
+
+def _format_validation_error(origin: str, error: ValidationError) -> str:
+    lines = [f"{origin}: invalid config"]
     for item in error.errors():
         location = ".".join(str(p) for p in item["loc"])
         message = item["msg"].removeprefix("Value error, ")
@@ -248,8 +279,8 @@ def _format_validation_error(path: Path, error: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def load_config(name_or_path: str | Path) -> AlignmentConfig:
-    """Read and validate a config file; errors name the file and the field."""
+def load_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> AlignmentConfig:
+    """Read and validate a config file, with ``--set`` style overrides applied; errors name the file and field."""
     path = resolve_config_path(name_or_path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -257,7 +288,9 @@ def load_config(name_or_path: str | Path) -> AlignmentConfig:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with 'model' and 'training' sections")
+    _apply_overrides(raw, overrides)
     try:
         return AlignmentConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(path, exc)) from None
+        origin = f"{path} with --set {' '.join(overrides)}" if overrides else str(path)
+        raise ConfigError(_format_validation_error(origin, exc)) from None

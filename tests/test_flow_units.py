@@ -21,7 +21,8 @@ from crossalign.tasks.errors import (
     StepFailed,
     exit_code_error,
 )
-from crossalign.tasks.prepare import OverrideError, parse_override, resolve_config
+from crossalign.config import OverrideError, parse_override
+from crossalign.tasks.prepare import resolve_config
 from crossalign.tasks.regression import find_regressions, history_entry, history_rows, plot_trend, record
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,64 +12,17 @@ import subprocess
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
-
-import yaml
-from pydantic import ValidationError
+from typing import Any, Iterator, Sequence
 
 import crossalign
 from crossalign.backends.base import DatasetFiles
-from crossalign.config import AlignmentConfig, ConfigError, resolve_config_path
+from crossalign.config import AlignmentConfig, load_config, resolve_config_path
 from crossalign.store import Run, RunStore, StoreError, dataset_fingerprint
 
 
-class OverrideError(ConfigError):
-    """A ``--set KEY=VALUE`` override that does not name a config field or gives it a bad value."""
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``training.train_iters=10`` -> (["training", "train_iters"], 10); the value is read as YAML."""
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise OverrideError(f"--set {text!r}: expected KEY=VALUE with a dotted key, e.g. training.train_iters=10")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError as exc:
-        raise OverrideError(f"--set {text!r}: value is not valid YAML: {exc}") from None
-    return key.split("."), parsed
-
-
-def resolve_config(name_or_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[AlignmentConfig, Path]:
+def resolve_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> tuple[AlignmentConfig, Path]:
     """The validated config with ``overrides`` applied, and the file it came from."""
-    path = resolve_config_path(name_or_path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping with 'model' and 'training' sections")
-    for text in overrides:
-        keys, value = parse_override(text)
-        if keys[0] not in ("model", "training"):
-            raise OverrideError(f"--set {text!r}: keys start with 'model.' or 'training.'")
-        node = raw
-        for depth, key in enumerate(keys[:-1]):
-            child = node.get(key) if isinstance(node, dict) else None
-            if not isinstance(child, dict):
-                raise OverrideError(f"--set {text!r}: {'.'.join(keys[:depth + 1])} is not a config section")
-            node = child
-        node[keys[-1]] = value
-    try:
-        return AlignmentConfig.model_validate(raw), path
-    except ValidationError as exc:
-        problems = []
-        for item in exc.errors():
-            where = ".".join(str(p) for p in item["loc"])
-            what = "unknown field" if item["type"] == "extra_forbidden" else item["msg"].removeprefix("Value error, ")
-            problems.append(f"{where}: {what}" if where else what)
-        origin = f"{path} with --set {' '.join(overrides)}" if overrides else str(path)
-        raise ConfigError(f"{origin}: invalid config: " + "; ".join(problems)) from None
+    return load_config(name_or_path, overrides), resolve_config_path(name_or_path)
 
 
 def code_version() -> dict[str, Any]:
