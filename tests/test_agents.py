@@ -53,8 +53,12 @@ def test_worker_gets_absolute_store_and_site_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     site_file = Path("site.yaml")
     site_file.write_text("store: shared/runs\n")
+    monkeypatch.delenv("PREFECT_WORKER_QUERY_SECONDS", raising=False)
     env = worker_environment(load_site(site_file), site_file)
-    assert env == {"CROSSALIGN_STORE": str(tmp_path / "shared" / "runs"), "CROSSALIGN_SITE": str(tmp_path / "site.yaml")}
+    assert env == {"CROSSALIGN_STORE": str(tmp_path / "shared" / "runs"), "CROSSALIGN_SITE": str(tmp_path / "site.yaml"),
+                   "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    monkeypatch.setenv("PREFECT_WORKER_QUERY_SECONDS", "5")
+    assert worker_environment(load_site(site_file), site_file)["PREFECT_WORKER_QUERY_SECONDS"] == "5"
     monkeypatch.setenv("CROSSALIGN_STORE", env["CROSSALIGN_STORE"])
     monkeypatch.setenv("CROSSALIGN_SITE", env["CROSSALIGN_SITE"])
     monkeypatch.chdir("/")
