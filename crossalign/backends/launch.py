@@ -119,3 +119,36 @@ def missing_steps(seen: set[int], expected: int) -> list[int]:
     """Steps 1..expected that no log line reported."""
     return [step for step in range(1, expected + 1) if step not in seen]
 
+
+
+class FrameworkBackend:
+    """What the real backends share: the site config (read on first use) and the runner of their run scripts.
+
+    The runner runs a written run script and streams its output; the default runs it here,
+    the Prefect layer passes an SSH runner for frameworks that live on another host.
+    """
+
+    def __init__(self, site=None, runner: Runner = run_script_locally):
+        self._site = site
+        self._runner = runner
+
+    @property
+    def site(self):
+        if self._site is None:
+            from crossalign.site import load_site
+
+            self._site = load_site()
+        return self._site
+
+
+def progress_callback(on_step, total: int,
+                      parse_line: Callable[[str], tuple[int, int, dict[str, float]] | None]) -> LineCallback:
+    """A line callback that reports every parsed step line to ``on_step(step, total, metrics)``."""
+
+    def on_line(line: str) -> None:
+        parsed = parse_line(line)
+        if parsed and on_step is not None:
+            step, _, metrics = parsed
+            on_step(step, total, metrics)
+
+    return on_line

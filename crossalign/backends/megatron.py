@@ -32,12 +32,11 @@ from crossalign.backends.base import TrainRequest, TrainResult
 from crossalign.backends.launch import (
     BackendRunError,
     BackendSetupError,
-    LineCallback,
-    Runner,
+    FrameworkBackend,
     RunScript,
     failure_summary,
     missing_steps,
-    run_script_locally,
+    progress_callback,
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
@@ -274,22 +273,10 @@ def entry_point(checkout: Path, version: tuple[int, ...]) -> Path:
     return checkout / "pretrain_gpt.py"
 
 
-class MegatronBackend:
+class MegatronBackend(FrameworkBackend):
     """DAG step 4 on a GPU machine: ``torchrun`` Megatron-LM from the converted checkpoint."""
 
     name = "megatron"
-
-    def __init__(self, site=None, runner: Runner = run_script_locally):
-        self._site = site
-        self._runner = runner
-
-    @property
-    def site(self):
-        if self._site is None:
-            from crossalign.site import load_site
-
-            self._site = load_site()
-        return self._site
 
     def checkout(self, config: AlignmentConfig) -> tuple[Path, tuple[int, ...]]:
         """The Megatron-LM checkout of the site config and its megatron-core version, checked against the config.
@@ -346,20 +333,10 @@ class MegatronBackend:
         (request.output_dir / ARGS_FILE).write_text("\n".join(args) + "\n")
         script = write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, args))
 
-        on_line = _progress(request.on_step, iterations)
+        on_line = progress_callback(request.on_step, iterations, parse_iteration_line)
         start = time.monotonic()
         status = self._runner(script, request.log_path, on_line)
         verify_megatron_log(request.log_path, iterations=iterations, loaded=True, exit_status=status)
         return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
                            iterations=iterations, seconds=time.monotonic() - start)
-
-
-def _progress(on_step, iterations: int) -> LineCallback:
-    def on_line(line: str) -> None:
-        parsed = parse_iteration_line(line)
-        if parsed and on_step is not None:
-            step, _, metrics = parsed
-            on_step(step, iterations, metrics)
-
-    return on_line
 

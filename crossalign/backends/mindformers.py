@@ -29,12 +29,11 @@ from crossalign.backends.base import TrainRequest, TrainResult
 from crossalign.backends.launch import (
     BackendRunError,
     BackendSetupError,
-    LineCallback,
-    Runner,
+    FrameworkBackend,
     RunScript,
     failure_summary,
     missing_steps,
-    run_script_locally,
+    progress_callback,
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
@@ -288,22 +287,10 @@ def find_checkpoint(save_dir: Path) -> Path:
 # ---- launching -------------------------------------------------------------------------------
 
 
-class MindFormersBackend:
+class MindFormersBackend(FrameworkBackend):
     """DAG steps 1 and 5 on an NPU machine: ``run_mindformer.py --mode 1`` (msrun for several cards)."""
 
     name = "mindformers"
-
-    def __init__(self, site=None, runner: Runner = run_script_locally):
-        self._site = site
-        self._runner = runner
-
-    @property
-    def site(self):
-        if self._site is None:
-            from crossalign.site import load_site
-
-            self._site = load_site()
-        return self._site
 
     def checkout(self) -> Path:
         """The MindFormers checkout (checked here unless it lives on a remote host; the run script checks too)."""
@@ -351,7 +338,7 @@ class MindFormersBackend:
         script = write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, config_path))
 
         steps = request.iterations
-        on_line = _progress(request.on_step, steps)
+        on_line = progress_callback(request.on_step, steps, parse_step_line)
         start = time.monotonic()
         status = self._runner(script, request.log_path, on_line)
         verify_mindformers_log(request.log_path, steps=steps, loaded=loaded, exit_status=status,
@@ -360,12 +347,3 @@ class MindFormersBackend:
         return TrainResult(log_path=request.log_path, checkpoint_dir=checkpoint, iterations=steps,
                            seconds=time.monotonic() - start)
 
-
-def _progress(on_step, steps: int) -> LineCallback:
-    def on_line(line: str) -> None:
-        parsed = parse_step_line(line)
-        if parsed and on_step is not None:
-            step, _, metrics = parsed
-            on_step(step, steps, metrics)
-
-    return on_line
