@@ -55,6 +55,9 @@ def prefect_server(tmp_path_factory):
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
         "PREFECT_WORKER_QUERY_SECONDS": "1",
+        # prefect.yaml's nightly cron must not start a real nightly in the middle of a test run
+        # (it did, at 02:00 Asia/Shanghai, and held the nightly's only concurrency slot)
+        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
         "PREFECT_WORKER_PREFETCH_SECONDS": "1",
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
     }
