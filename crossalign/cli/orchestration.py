@@ -154,7 +154,7 @@ def _status_table(run):
         table.add_column(column)
     for state in run.states():
         outputs = (state.manifest or {}).get("outputs", [])
-        shown = f"{len(outputs)} files, {_size(sum(o['size'] for o in outputs))}" if outputs else ""
+        shown = f"{len(outputs)} file{'' if len(outputs) == 1 else 's'}, {_size(sum(o['size'] for o in outputs))}" if outputs else ""
         if state.status == "failed":
             shown = (state.attempt or {}).get("error", "")[:80]
         table.add_row(str(state.spec.index), state.spec.name, state.spec.pool,
