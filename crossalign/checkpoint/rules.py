@@ -38,8 +38,8 @@ class Rule:
 
 
 @dataclass(frozen=True)
-class Rename(Rule):
-    """Same tensor, another name (a plain copy when the names agree)."""
+class OneToOne(Rule):
+    """A rule from one MindFormers tensor to one Megatron tensor."""
 
     source: str
     target: str
@@ -51,6 +51,11 @@ class Rename(Rule):
     @property
     def mg(self) -> tuple[str, ...]:
         return (self.target,)
+
+
+@dataclass(frozen=True)
+class Rename(OneToOne):
+    """Same tensor, another name (a plain copy when the names agree)."""
 
     def forward(self, tensors: Tensors) -> Tensors:
         return [tensors[0]]
@@ -87,20 +92,10 @@ class Fuse(Rule):
 
 
 @dataclass(frozen=True)
-class Squeeze(Rule):
+class Squeeze(OneToOne):
     """Drop a size-1 axis (MindSpore stores the depthwise conv1d as a Conv2d weight, (C, 1, 1, K))."""
 
-    source: str
-    target: str
     dim: int
-
-    @property
-    def ms(self) -> tuple[str, ...]:
-        return (self.source,)
-
-    @property
-    def mg(self) -> tuple[str, ...]:
-        return (self.target,)
 
     def forward(self, tensors: Tensors) -> Tensors:
         if tensors[0].shape[self.dim] != 1:
@@ -112,19 +107,8 @@ class Squeeze(Rule):
 
 
 @dataclass(frozen=True)
-class Deinterleave(Rule):
+class Deinterleave(OneToOne):
     """SwiGLU fc1: MindSpore rows [g0, u0, g1, u1, ...] -> Megatron [G; U] = cat(w[0::2], w[1::2])."""
-
-    source: str
-    target: str
-
-    @property
-    def ms(self) -> tuple[str, ...]:
-        return (self.source,)
-
-    @property
-    def mg(self) -> tuple[str, ...]:
-        return (self.target,)
 
     def forward(self, tensors: Tensors) -> Tensors:
         weight = tensors[0]
@@ -136,7 +120,7 @@ class Deinterleave(Rule):
 
 
 @dataclass(frozen=True)
-class TransposeExperts(Rule):
+class TransposeExperts(OneToOne):
     """Routed experts: MindSpore [E, in, out] -> Megatron [E, out, in], stacked or one tensor per expert.
 
     MindSpore's pynative layout is [E, H, 2i] / [E, i, H]; graph mode flattens it to
@@ -145,14 +129,8 @@ class TransposeExperts(Rule):
     The gate|up halves are not swapped, and routed experts are never interleaved.
     """
 
-    source: str
-    target: str
     num_experts: int
     per_expert: bool
-
-    @property
-    def ms(self) -> tuple[str, ...]:
-        return (self.source,)
 
     @property
     def mg(self) -> tuple[str, ...]:
