@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -21,6 +22,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def pynative_writing_pid(run_dir: Path) -> int | None:
+    """The pid of the pynative-train step while it is writing its log into its staging folder, else None."""
+    partials = list(run_dir.glob(".05-pynative-train.partial-*"))
+    attempt = run_dir / ".attempts" / "pynative-train.json"
+    if partials and (partials[0] / "train.log").exists() and (partials[0] / "train.log").stat().st_size \
+            and attempt.exists():
+        return json.loads(attempt.read_text())["pid"]
+    return None
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, stop_process
+from conftest import free_port, pynative_writing_pid, stop_process
 from crossalign.store import STEPS, RunStore
 
 pytestmark = pytest.mark.slow
@@ -93,15 +93,7 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
         "poll_interval_s": 1.0, "retry_delay_s": 1.0})
     run_dir = stack["store"] / run_id
 
-    def pynative_writing():
-        partials = list(run_dir.glob(".05-pynative-train.partial-*"))
-        attempt = run_dir / ".attempts" / "pynative-train.json"
-        if partials and (partials[0] / "train.log").exists() and (partials[0] / "train.log").stat().st_size \
-                and attempt.exists():
-            return json.loads(attempt.read_text())["pid"]
-        return None
-
-    killed = _wait_for(pynative_writing, DAG_TIMEOUT_S, "pynative-train writing its log")
+    killed = _wait_for(lambda: pynative_writing_pid(run_dir), DAG_TIMEOUT_S, "pynative-train writing its log")
     os.kill(killed, signal.SIGKILL)
     with get_client(sync_client=True) as client:
         final = _wait_for(lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(parent.id)),

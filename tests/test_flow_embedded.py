@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import pynative_writing_pid
 from crossalign.store import STEP_NAMES, RunStore
 
 pytestmark = pytest.mark.slow
@@ -58,15 +59,7 @@ def test_killed_step_is_retried_and_nothing_partial_is_consumed(embedded):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = store.root / "k1"
 
-    def pynative_writing():
-        partials = list(run_dir.glob(".05-pynative-train.partial-*"))
-        attempt = run_dir / ".attempts" / "pynative-train.json"
-        if partials and (partials[0] / "train.log").exists() and (partials[0] / "train.log").stat().st_size \
-                and attempt.exists():
-            return json.loads(attempt.read_text())["pid"]
-        return None
-
-    pid = _wait_for(pynative_writing, RUN_TIMEOUT_S, "pynative-train writing its log", proc)
+    pid = _wait_for(lambda: pynative_writing_pid(run_dir), RUN_TIMEOUT_S, "pynative-train writing its log", proc)
     os.kill(pid, signal.SIGKILL)
     output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     seconds = time.monotonic() - started
