@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Set up crossalign on a fresh machine: a virtual environment in .venv with the embedded CPU
 # backends (MindSpore 2.10 CPU, torch 2.13.0 CPU, fla-core, megatron-core). With --dev, also the
-# test tools and the OpenSSH server that the SSH runner's tests start on loopback.
+# test tools, the OpenSSH server that the SSH runner's tests start on loopback, and PostgreSQL
+# for the tests and benchmark of a Prefect server on PostgreSQL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras="local"
 if [[ "${1:-}" == "--dev" ]]; then
     extras="local,dev"
+    packages=()
     if ! command -v sshd >/dev/null 2>&1 && [[ ! -x /usr/sbin/sshd ]]; then
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client >/dev/null) \
-            || echo "warning: could not install openssh-server; the SSH tests will be skipped" >&2
+        packages+=(openssh-server openssh-client)
+    fi
+    if ! command -v pg_config >/dev/null 2>&1 && ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+        packages+=(postgresql)
+    fi
+    if (( ${#packages[@]} )); then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null) \
+            || echo "warning: could not install ${packages[*]}; the tests that need them will be skipped" >&2
     fi
 fi
 

@@ -54,9 +54,10 @@ def test_worker_gets_absolute_store_and_site_paths(tmp_path, monkeypatch):
     site_file = Path("site.yaml")
     site_file.write_text("store: shared/runs\n")
     monkeypatch.delenv("PREFECT_WORKER_QUERY_SECONDS", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
     env = worker_environment(load_site(site_file), site_file)
     assert env == {"CROSSALIGN_STORE": str(tmp_path / "shared" / "runs"), "CROSSALIGN_SITE": str(tmp_path / "site.yaml"),
-                   "PREFECT_WORKER_QUERY_SECONDS": "2"}
+                   "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PREFECT_WORKER_QUERY_SECONDS": "1"}
     monkeypatch.setenv("PREFECT_WORKER_QUERY_SECONDS", "5")
     assert worker_environment(load_site(site_file), site_file)["PREFECT_WORKER_QUERY_SECONDS"] == "5"
     monkeypatch.setenv("CROSSALIGN_STORE", env["CROSSALIGN_STORE"])
@@ -93,3 +94,22 @@ def test_automation_definitions_are_valid_prefect_automations():
     assert "{{ flow_run.name }}" in nightly.actions[0].subject, "Prefect's own templates stay for the server"
     with pytest.raises(AutomationError, match=r"placeholder \$\{WEBHOOK_BLOCK_ID\} has no value"):
         load_definition(NIGHTLY, {"NIGHTLY_DEPLOYMENT_ID": "x"})
+
+
+def test_flow_runs_start_as_one_engine_process_of_this_interpreter():
+    """prefect.yaml starts every flow run as `python3 -m prefect.engine`, and on the agent's PATH that
+    python3 is the interpreter crossalign runs in (the probe checks it is there)."""
+    import shutil
+
+    import yaml
+
+    from crossalign.agents.worker import FLOW_RUN_PYTHON, flow_run_path
+
+    spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "prefect.yaml").read_text())
+    commands = {d["name"] + ":" + d["entrypoint"]: d["work_pool"]["job_variables"].get("command")
+                for d in spec["deployments"]}
+    assert set(commands.values()) == {f"{FLOW_RUN_PYTHON} -m prefect.engine"}, commands
+    found = shutil.which(FLOW_RUN_PYTHON, path=flow_run_path())
+    assert found and Path(found).parent == Path(sys.executable).parent
+    check = next(c for c in probe_pool("cpu", load_site(None)) if c.name == "flow-run interpreter")
+    assert check.ok, check.detail

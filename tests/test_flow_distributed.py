@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, pynative_writing_pid, stop_process
+from conftest import free_port, pynative_writing_pid
+from crossalign.agents.server import local_agents
 from crossalign.store import STEPS, RunStore
 
 pytestmark = pytest.mark.slow
@@ -43,23 +44,10 @@ def stack(prefect_server, tmp_path_factory):
     site = root / "site.yaml"
     site.write_text(f"store: {store}\nbackends: {{npu: local, gpu: local}}\n")
     env = {**prefect_server.env, "CROSSALIGN_SITE": str(site)}
-    workers, logs = [], []
-    try:
-        for pool in POOLS:  # the agents probe their machine while the flows are deployed
-            log = open(root / f"worker-{pool}.log", "w")
-            logs.append(log)
-            workers.append(subprocess.Popen(
-                [CROSSALIGN, "agent", "start", "--pool", pool,
-                 "--site", str(site), "--name", f"test-{pool}"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root))
+    with local_agents(env, site, log_dir=root, pools=POOLS):  # they probe their machine while the flows deploy
         deployed = _crossalign("deploy", "--prefect-file", str(REPO / "prefect.yaml"), env=env)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         yield {"store": store, "site": site, "env": env, "root": root}
-    finally:
-        for worker in workers:  # workers go before the server
-            stop_process(worker)
-        for log in logs:
-            log.close()
 
 
 def _flow_runs_by_name(client, run_id: str) -> dict[str, object]:

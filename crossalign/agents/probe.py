@@ -128,10 +128,27 @@ def _remote(framework: FrameworkSite) -> Check:
                  required=False)
 
 
+def _flow_run_python() -> Check:
+    """Flow runs start as ``python3 -m prefect.engine`` with this interpreter's folder first on PATH."""
+    from crossalign.agents.worker import FLOW_RUN_PYTHON
+
+    here = Path(sys.executable)
+    candidate = here.with_name(FLOW_RUN_PYTHON)
+    if candidate.exists() and os.access(candidate, os.X_OK):
+        return Check("flow-run interpreter", True, f"{FLOW_RUN_PYTHON} -> {candidate}")
+    return Check("flow-run interpreter", False,
+                 f"no {FLOW_RUN_PYTHON} next to {here}: flow runs start as `{FLOW_RUN_PYTHON} -m prefect.engine` "
+                 "(prefect.yaml); install crossalign in a virtual environment")
+
+
 def probe_pool(pool: str, site: SiteConfig, *, apply_patches: bool = True) -> list[Check]:
     """Everything ``pool`` needs on this machine under ``site``, as checks (required ones must pass)."""
     if pool not in POOLS:
         raise ValueError(f"pool {pool!r} is not one of {', '.join(POOLS)}")
+    return [_flow_run_python(), *_pool_checks(pool, site, apply_patches)]
+
+
+def _pool_checks(pool: str, site: SiteConfig, apply_patches: bool) -> list[Check]:
     if pool == "orchestrator":
         return _import_checks([("prefect", "prefect", True), ("tokenizers", "tokenizers (dataset)", True),
                                ("megatron.core", "megatron-core (dataset, sample order)", True)], None)

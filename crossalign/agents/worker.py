@@ -3,6 +3,12 @@
 The worker gets the site's store and site file through its environment (``CROSSALIGN_STORE``,
 ``CROSSALIGN_SITE``, absolute paths), and every flow run it starts inherits them, whatever its
 working directory.
+
+Flow runs start as ``python3 -m prefect.engine`` (prefect.yaml's ``job_variables.command``): one
+process that imports Prefect once. Without a command, Prefect 3's process worker first starts a
+workspace supervisor process that imports Prefect too, then execs the engine, which costs every
+step about 2 s more. The worker's PATH starts with this interpreter's folder, so ``python3`` is
+the interpreter crossalign is installed in.
 """
 
 from __future__ import annotations
@@ -38,13 +44,19 @@ def ensure_pool(name: str) -> bool:
         return True
 
 
-# Prefect's default worker poll (10 s) is most of a step's hand-over time; steps are few and long,
-# so polling every 2 s costs the server nothing. An explicit setting in the environment wins.
-WORKER_QUERY_SECONDS = "2"
+# Prefect's default worker poll (10 s) would be most of a step's hand-over time; a handful of
+# workers polling every second cost the server nothing. An explicit setting in the environment wins.
+WORKER_QUERY_SECONDS = "1"
+FLOW_RUN_PYTHON = "python3"  # the interpreter named by prefect.yaml's job_variables.command
+
+
+def flow_run_path() -> str:
+    """PATH for the worker and its flow runs: this interpreter's folder first, then the inherited PATH."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
 
 
 def worker_environment(site: SiteConfig, site_file: Path | None) -> dict[str, str]:
-    env = {STORE_ENV: str(Path(site.store).expanduser().absolute()),
+    env = {STORE_ENV: str(Path(site.store).expanduser().absolute()), "PATH": flow_run_path(),
            "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", WORKER_QUERY_SECONDS)}
     if site_file is not None:
         env[SITE_ENV] = str(Path(site_file).absolute())

@@ -115,7 +115,7 @@ def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = Non
               store: str | None = None, rerun: list[str] | None = None, mode: Mode = "distributed",
               dataset_prefix: str | None = None, tokenizer: str | None = None, retries: int = 2,
               retry_delay_s: float = 10.0, step_timeout_s: float | None = None,
-              poll_interval_s: float = 2.0) -> dict[str, Any]:
+              poll_interval_s: float = 0.5) -> dict[str, Any]:
     """Run the six-step alignment of ``config`` and return its summary; fails unless the verdict is "pass".
 
     ``config`` is a shipped config name or a YAML path (None: reopen the existing ``run_id``);

@@ -76,7 +76,7 @@ def deployment_name(step: str) -> str:
     return f"{spec.name}/{spec.pool}"
 
 
-def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_interval: float = 2.0,
+def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_interval: float = 0.5,
                        timeout_s: float | None = None) -> dict[str, Any]:
     """Carry out ``step`` as a flow run of its deployment and wait for it.
 
