@@ -21,11 +21,13 @@ LR = [1e-4 * min(k, 4) / 4 for k in range(STEPS)]
 
 
 def run(tmp_path: Path, npu_lm, gpu_lm=BASE, *, npu_mtp=BASE_MTP, gpu_mtp=BASE_MTP, npu_lr=LR, gpu_lr=LR,
-        writer_core="0.16.1", **options):
+        npu_aux=None, gpu_aux=None, writer_core="0.16.1", **options):
     npu = write_log(tmp_path / "npu.log", mindformers_lines(
-        list(npu_lm), mtp=[list(npu_mtp)] if npu_mtp is not None else (), lr_applied=npu_lr))
+        list(npu_lm), mtp=[list(npu_mtp)] if npu_mtp is not None else (), lr_applied=npu_lr,
+        aux=None if npu_aux is None else list(npu_aux)))
     gpu = write_log(tmp_path / "gpu.log", megatron_lines(
-        list(gpu_lm), mtp=[list(gpu_mtp)] if gpu_mtp is not None else (), lr_applied=gpu_lr, core_version=writer_core))
+        list(gpu_lm), mtp=[list(gpu_mtp)] if gpu_mtp is not None else (), lr_applied=gpu_lr, core_version=writer_core,
+        aux=None if gpu_aux is None else list(gpu_aux)))
     options.setdefault("plot", False)
     return compare_logs(npu, gpu, tmp_path / "out", CompareOptions(**options))
 
@@ -109,6 +111,27 @@ def test_growing_divergence(tmp_path):
     assert summary.verdict == "fail"
     grow = [d for d in summary.diagnosis if d["pattern"] == "growing_divergence" and d["series"] == "lm_loss"]
     assert grow and grow[0]["step"] == summary.series["lm_loss"].first_bad_step
+
+
+GROWING = 1 + 1e-3 * (np.arange(STEPS) / 4) ** 1.5
+AUX = 1.0 + 0.01 * np.sin(np.arange(STEPS))
+
+
+def test_aux_loss_growing_apart_alone_is_routing_drift(tmp_path):
+    """MoE: the reported-only aux loss drifts (router near-ties flip) while lm and mtp agree: no setting blamed."""
+    summary = run(tmp_path, BASE * (1 + 2e-5 * np.cos(np.arange(STEPS))), npu_aux=AUX * GROWING, gpu_aux=AUX)
+    assert summary.verdict == "pass"
+    assert summary.series["aux_loss"].status == "compared" and not summary.series["aux_loss"].required
+    drift = [d for d in summary.diagnosis if d["series"] == "aux_loss"]
+    assert [d["pattern"] for d in drift] == ["routing_drift"]
+    assert "top-k routing" in drift[0]["message"] and "optimizer" not in drift[0]["message"]
+
+
+def test_aux_loss_growing_apart_with_lm_loss_is_growing_divergence(tmp_path):
+    summary = run(tmp_path, BASE * GROWING, npu_aux=AUX * GROWING, gpu_aux=AUX)
+    assert summary.verdict == "fail"
+    grow = {d["series"] for d in summary.diagnosis if d["pattern"] == "growing_divergence"}
+    assert {"lm_loss", "aux_loss"} <= grow and "routing_drift" not in patterns(summary)
 
 
 def test_missing_mtp_on_one_side_fails(tmp_path):
