@@ -251,9 +251,9 @@ def test_strict_load_names_missing_unexpected_and_misshaped_keys():
     with pytest.raises(StateMismatchError) as error:
         load_mindformers_state(net, broken)
     message = str(error.value)
-    assert "missing keys: decoder.layers.0.self_attention.a_log" in message
-    assert "unexpected keys: decoder.layers.0.self_attention.A_log" in message
-    assert "output_layer.weight: expected (2048, 64), got (3, 3)" in message
+    assert "1 missing keys: decoder.layers.0.self_attention.a_log" in message
+    assert "1 unexpected keys: decoder.layers.0.self_attention.A_log" in message
+    assert "1 wrong shapes: output_layer.weight [3, 3] (expected [2048, 64])" in message
 
 
 def test_bf16_state_is_upcast_on_load():

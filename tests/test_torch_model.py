@@ -95,9 +95,9 @@ def test_strict_load_names_missing_unexpected_and_misshaped_keys():
     with pytest.raises(StateDictMismatch) as error:
         load_megatron_state(net, broken)
     message = str(error.value)
-    assert "missing keys (1): decoder.layers.0.self_attention.A_log" in message
-    assert "unexpected keys (1): decoder.layers.0.self_attention.a_log" in message
-    assert "output_layer.weight: checkpoint (2047, 64) vs model (2048, 64)" in message
+    assert "1 missing keys: decoder.layers.0.self_attention.A_log" in message
+    assert "1 unexpected keys: decoder.layers.0.self_attention.a_log" in message
+    assert "1 wrong shapes: output_layer.weight [2047, 64] (expected [2048, 64])" in message
     # nothing was copied
     assert all(torch.equal(net.state_dict()[key], value) for key, value in before.items())
 

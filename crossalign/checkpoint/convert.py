@@ -29,6 +29,7 @@ from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.faults import inject_fault
 from crossalign.checkpoint.layout import check_expert_form, megatron_shapes, mindformers_shapes
 from crossalign.checkpoint.megatron import read_megatron_checkpoint, stream_megatron_checkpoint
+from crossalign.checkpoint.mismatch import key_mismatches
 from crossalign.checkpoint.mindformers import (
     MindFormersCheckpoint,
     default_common,
@@ -48,7 +49,6 @@ Direction = Literal["ms2mg", "mg2ms"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "keep": None}
 Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, what is being done)
 Shapes = Mapping[str, tuple[int, ...]]
-_SHOWN = 8
 
 
 @dataclass
@@ -70,29 +70,12 @@ class ConvertReport:
     output_validated: bool = True
 
 
-def _names(keys) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(keys[:_SHOWN])
-    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
-
-
 def check_state(shapes: Shapes, expected: Shapes, what: str,
                 also_accepted: Callable[[str, tuple[int, ...]], bool] = lambda key, shape: False) -> None:
     """Keys and shapes must match the table exactly; the error lists every kind of mismatch at once."""
-    missing = expected.keys() - shapes.keys()
-    unexpected = shapes.keys() - expected.keys()
-    wrong = [f"{key} {list(shapes[key])} (expected {list(expected[key])})"
-             for key in sorted(shapes.keys() & expected.keys())
-             if tuple(shapes[key]) != tuple(expected[key]) and not also_accepted(key, tuple(shapes[key]))]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing keys: {_names(missing)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected keys: {_names(unexpected)}")
-    if wrong:
-        problems.append(f"{len(wrong)} wrong shapes: " + "; ".join(wrong[:_SHOWN]))
+    problems = key_mismatches(shapes, expected, also_accepted)
     if problems:
-        raise CheckpointError(f"{what}: " + "; ".join(problems))
+        raise CheckpointError(f"{what}: {problems}")
 
 
 def _graph_expert_layout(model: ModelConfig) -> Callable[[str, tuple[int, ...]], bool]:

@@ -23,6 +23,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
 from crossalign.backends.local.ms_gdn import compiled_chunk_gated_delta_rule
+from crossalign.checkpoint.mismatch import key_mismatches
 from crossalign.config import ModelConfig
 
 GDN_QK_NORM_EPS = 1e-6
@@ -505,20 +506,10 @@ def _as_float32_array(value) -> np.ndarray:
 def load_mindformers_state(net: Qwen35Model, state: Mapping[str, object]) -> None:
     """Load a MindFormers-layout state strictly: every parameter present with its exact shape, nothing extra."""
     params = dict(net.parameters_and_names())
-    missing = sorted(set(params) - set(state))
-    unexpected = sorted(set(state) - set(params))
-    wrong_shape = [f"{name}: expected {tuple(params[name].shape)}, got {tuple(state[name].shape)}"
-                   for name in sorted(set(params) & set(state))
-                   if tuple(state[name].shape) != tuple(params[name].shape)]
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {', '.join(unexpected)}")
-    if wrong_shape:
-        problems.append(f"wrong shapes: {'; '.join(wrong_shape)}")
+    problems = key_mismatches({name: tuple(value.shape) for name, value in state.items()},
+                              {name: tuple(param.shape) for name, param in params.items()})
     if problems:
-        raise StateMismatchError(f"state does not match the {net.config.name} MindSpore model: " + " | ".join(problems))
+        raise StateMismatchError(f"state does not match the {net.config.name} MindSpore model: {problems}")
     for name, param in params.items():
         param.set_data(Tensor(np.ascontiguousarray(_as_float32_array(state[name]))))
 

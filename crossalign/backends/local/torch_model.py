@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from crossalign.checkpoint.mismatch import key_mismatches
 from crossalign.config import ModelConfig
 
 
@@ -530,20 +531,8 @@ def load_megatron_state(net: Qwen35Model, state: Mapping[str, torch.Tensor]) -> 
             if key.endswith(".mlp.experts.linear_fc1.weight") or key.endswith(".mlp.experts.linear_fc2.weight"):
                 unstack_expert_weights(incoming, key[: -len("weight")], num_experts)
 
-    missing = sorted(set(expected) - set(incoming))
-    unexpected = sorted(set(incoming) - set(expected))
-    misshaped = sorted(
-        f"{key}: checkpoint {tuple(incoming[key].shape)} vs model {tuple(expected[key].shape)}"
-        for key in set(expected) & set(incoming)
-        if tuple(incoming[key].shape) != tuple(expected[key].shape)
-    )
-    if missing or unexpected or misshaped:
-        parts = []
-        if missing:
-            parts.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected)}")
-        if misshaped:
-            parts.append(f"wrong shapes ({len(misshaped)}): {'; '.join(misshaped)}")
-        raise StateDictMismatch("Megatron state dict does not match the model: " + " | ".join(parts))
+    problems = key_mismatches({key: tuple(value.shape) for key, value in incoming.items()},
+                              {key: tuple(value.shape) for key, value in expected.items()})
+    if problems:
+        raise StateDictMismatch(f"Megatron state dict does not match the model: {problems}")
     net.load_state_dict({key: value.float() for key, value in incoming.items()}, strict=True)
