@@ -199,9 +199,14 @@ class StepState:
 
 @dataclass
 class StepWriter:
-    """The staging folder of a step in progress; ``details`` ends up in the manifest."""
+    """The staging folder of a step in progress; ``details`` ends up in the manifest.
+
+    ``final_dir`` is where ``dir`` is renamed to when the step commits: the path to write into
+    anything (a log line, a script) that names the step's folder.
+    """
 
     dir: Path
+    final_dir: Path
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -346,7 +351,7 @@ class Run:
         started_at = time.time()
         self._write_attempt(spec.name, {"step": spec.name, "status": "running", "host": host, "pid": pid,
                                         "command": command, "started": now_iso(), "started_at": started_at})
-        writer = StepWriter(staging)
+        writer = StepWriter(staging, final_dir=self.step_dir(spec.name))
         try:
             yield writer
             if self.input_digests(spec.name) != inputs:

@@ -75,6 +75,9 @@ def test_killed_step_is_retried_and_nothing_partial_is_consumed(embedded):
     assert manifest["outputs"] and all(o["path"] != "" for o in manifest["outputs"])
     log = (run.path / "logs" / "pynative-train.log").read_text()
     assert log.count("step pynative-train done") == 1
+    first = (run.step_dir("pynative-train") / "train.log").read_text().splitlines()[0]
+    assert f" - mindformers{os.path.realpath(run.step_dir('pynative-train') / 'log')}[" in first, \
+        "the logger prefix names the committed step folder, not its staging folder"
     summary = json.loads((run.step_dir("compare") / "summary.json").read_text())
     assert summary["verdict"] == "pass"
     (embedded["root"] / "timings.json").write_text(json.dumps({"embedded_run_with_retry_s": round(seconds, 1)}))

@@ -39,11 +39,17 @@ class TrainRequest:
     save: bool = False
     on_step: StepCallback | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    published_dir: Path | None = None  # where output_dir ends up once the step commits (paths in logs name it)
 
     @property
     def iterations(self) -> int:
         t = self.config.training
         return t.base_train_iters if self.mode == "base" else t.train_iters
+
+    @property
+    def named_output_dir(self) -> Path:
+        """The output folder as logs and scripts should name it: where it ends up, not where it is staged."""
+        return self.published_dir or self.output_dir
 
     @property
     def log_path(self) -> Path:

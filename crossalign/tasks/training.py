@@ -17,7 +17,8 @@ def train_step(run: Run, step: str, *, pool: TrainingPool, side: Side, mode: Mod
     backend = training_backend(pool, site)
     with run.commit(step, command=step_command(run, step)) as out:
         request = TrainRequest(config=run.config, side=side, mode=mode, data=run.dataset, output_dir=out.dir,
-                               init_checkpoint=init_checkpoint, save=save, on_step=on_step)
+                               init_checkpoint=init_checkpoint, save=save, on_step=on_step,
+                               published_dir=out.final_dir)
         result = backend.train(request)
         out.details.update(backend=backend.name, iterations=result.iterations, train_seconds=round(result.seconds, 3),
                            log=result.log_path.relative_to(out.dir).as_posix(),

@@ -220,7 +220,7 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
     started = time.perf_counter()
     trainer = _Trainer(request.config, initial_state(request))
     request.output_dir.mkdir(parents=True, exist_ok=True)
-    log_dir = request.output_dir / "log"
+    log_dir = request.named_output_dir / "log"  # MindFormers names its log folder in every line
     with open(request.log_path, "w") as log:
         for step in range(1, total + 1):
             tokens = np.asarray(batches[step - 1])
