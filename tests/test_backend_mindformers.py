@@ -141,8 +141,16 @@ def test_base_and_align_runs_through_the_run_script(tmp_path: Path, checkout: Pa
     assert "run_mindformer.py \\\n    --mode 1 \\\n    --config" in script and "export HCCL_DETERMINISTIC=true" in script
     assert f"export LOG_MF_PATH={base.output_dir / 'mf_log'}" in script
 
+    assert "run it again by hand with: bash" in script, "no staging folder: the script can be run again as it is"
+
     align = request_for(tmp_path, "align", [])
+    align.published_dir = tmp_path / "store" / "run-7" / "05-pynative-train"
     result = MindFormersBackend(site=site_for(checkout)).train(align)
+    script = (align.output_dir / "run_mindformers.sh").read_text()
+    assert f"# Written by crossalign for the staging folder {align.output_dir}," in script
+    assert f"# which became {align.published_dir} when the step committed" in script
+    assert f"#   crossalign rerun run-7 --step 05-pynative-train --store {tmp_path / 'store'}" in script
+    assert "run it again by hand" not in script
     assert result.iterations == 50 and result.checkpoint_dir is None
     written = yaml.safe_load((align.output_dir / "align_train.yaml").read_text())
     assert written["checkpoint"]["load_path"] == str(tmp_path / "bf16")

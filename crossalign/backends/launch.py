@@ -1,8 +1,8 @@
-"""Launching a real framework: a re-runnable run script, line streaming, and log verdicts.
+"""Launching a real framework: a run script kept with the outputs, line streaming, and log verdicts.
 
 Both real backends (Megatron on GPU, MindFormers on NPU) work the same way: they write
 ``run_<framework>.sh`` into the step folder (environment, working directory, the exact
-command: a person can re-run it by hand), run it with output captured line by line into the
+command: what ran, and a way to re-run it by hand while the step is in progress), run it with output captured line by line into the
 step's log, and then judge the log, because neither framework's exit status can be trusted
 alone (Megatron exits 0 after a checkpoint it could not unpickle).
 
@@ -42,14 +42,19 @@ class RunScript:
     env: Mapping[str, str]
     title: str
     required_files: Sequence[str] = ()  # relative to cwd; the script stops with a clear message if one is missing
+    staged_in: Path | None = None  # the step's staging folder the paths below name
+    published_as: Path | None = None  # ... and the folder it becomes when the step commits
 
     def render(self) -> str:
-        lines = [
-            "#!/usr/bin/env bash",
-            f"# {self.title}",
-            "# Written by crossalign; run it again by hand with: bash " + shlex.quote("<this file>"),
-            "set -euo pipefail",
-        ]
+        lines = ["#!/usr/bin/env bash", f"# {self.title}"]
+        if self.staged_in is not None and self.published_as is not None and self.staged_in != self.published_as:
+            run, step, store = self.published_as.parent.name, self.published_as.name, self.published_as.parent.parent
+            lines += [f"# Written by crossalign for the staging folder {self.staged_in},",
+                      f"# which became {self.published_as} when the step committed. To train again, redo the step:",
+                      f"#   crossalign rerun {shlex.quote(run)} --step {shlex.quote(step)} --store {shlex.quote(str(store))}"]
+        else:
+            lines.append("# Written by crossalign; run it again by hand with: bash " + shlex.quote("<this file>"))
+        lines.append("set -euo pipefail")
         lines += [f"export {key}={shlex.quote(str(value))}" for key, value in sorted(self.env.items())]
         lines.append(f"cd {shlex.quote(str(self.cwd))}")
         for name in self.required_files:

@@ -315,6 +315,7 @@ class MegatronBackend(FrameworkBackend):
         command = [site.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    "--nproc_per_node", str(site.nproc_per_node), str(entry), *args]
         return RunScript(command=command, cwd=checkout, env=env, required_files=("pretrain_gpt.py",),
+                         staged_in=request.output_dir, published_as=request.published_dir,
                          title=f"Megatron-LM {'.'.join(map(str, version))}: {request.config.model.name}, "
                                f"{request.iterations} iterations")
 

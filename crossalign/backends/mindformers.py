@@ -317,6 +317,7 @@ class MindFormersBackend(FrameworkBackend):
                        f"--log_dir={request.output_dir / 'msrun_log'}", "--join=True",
                        f"--tail_worker_log={nproc - 1}", *entry]
         return RunScript(command=command, cwd=request.output_dir, env=env, required_files=(entry[0],),
+                         staged_in=request.output_dir, published_as=request.published_dir,
                          title=f"MindFormers pynative: {request.config.model.name}, {request.mode} run, "
                                f"{request.iterations} steps on {nproc} card(s)")
 
