@@ -6,7 +6,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from crossalign.checkpoint.errors import CheckpointError
 
@@ -42,3 +42,26 @@ def write_text_atomic(path: Path, text: str) -> None:
     temporary = path.parent / f".{path.name}.partial-{os.getpid()}"
     temporary.write_text(text)
     os.replace(temporary, path)
+
+
+def save_iteration(root: Path, name: str, iteration: int, tracker: str, fill: Callable[[Path], None]) -> Path:
+    """Add the iteration folder ``name`` to the checkpoint ``root``, filled by ``fill(folder)``, and point the
+    tracker file at ``iteration``; returns the iteration folder.
+
+    A new root is built whole in a temporary sibling and renamed into place. An existing root
+    (earlier saves of the same run) gets the new iteration folder the same way, then its tracker
+    is replaced, so a reader always finds a complete iteration.
+    """
+    root = Path(root)
+    if root.exists() and any(root.iterdir()):
+        if (root / name).exists():
+            raise CheckpointError(f"{root / name}: iteration {iteration} is already saved")
+        with atomic_directory(root / name) as directory:
+            fill(directory)
+        write_text_atomic(root / tracker, str(iteration))
+        return root / name
+    with atomic_directory(root) as staging:
+        (staging / name).mkdir()
+        fill(staging / name)
+        (staging / tracker).write_text(str(iteration))
+    return root / name

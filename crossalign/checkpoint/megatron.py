@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from crossalign.checkpoint.atomic import atomic_directory, write_text_atomic
+from crossalign.checkpoint.atomic import save_iteration
 from crossalign.checkpoint.blocks import BlockCaster
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.reshard import Rank, check_parallel_sizes, merge_shards, shard_shapes, shard_tensor
@@ -168,19 +168,8 @@ def stream_megatron_checkpoint(root: Path, iteration: int, specs: Mapping[str, T
     A new root is built whole in a temporary sibling and renamed into place; an existing
     root gets the new iteration folder the same way and then its tracker is replaced.
     """
-    root = Path(root)
-    name = iteration_dir_name(iteration)
-    if root.exists() and any(root.iterdir()):
-        if (root / name).exists():
-            raise CheckpointError(f"{root / name}: iteration {iteration} is already saved")
-        with atomic_directory(root / name) as directory:
-            _fill_iteration_dir(directory, iteration, specs, tensors, model, tp, pp)
-        write_text_atomic(root / TRACKER, str(iteration))
-        return root / name
-    with atomic_directory(root) as staging:
-        _fill_iteration_dir(staging / name, iteration, specs, tensors, model, tp, pp)
-        (staging / TRACKER).write_text(str(iteration))
-    return root / name
+    return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER,
+                          lambda folder: _fill_iteration_dir(folder, iteration, specs, tensors, model, tp, pp))
 
 
 def write_megatron_checkpoint(root: Path, iteration: int, state: Mapping[str, torch.Tensor], *,

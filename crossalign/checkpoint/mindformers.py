@@ -22,7 +22,7 @@ from typing import Mapping
 
 import torch
 
-from crossalign.checkpoint.atomic import atomic_directory, write_text_atomic
+from crossalign.checkpoint.atomic import save_iteration
 from crossalign.checkpoint.blocks import ReusedBuffer
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.safetensors_io import FLOATING, TensorInfo, read_header, read_tensor, write_safetensors
@@ -168,17 +168,5 @@ def write_mindformers_checkpoint(root: Path, iteration: int, model: Mapping[str,
     root (earlier saves of the same run) gets the new iteration folder the same way, then
     its tracker is replaced, so a reader always finds a complete iteration.
     """
-    root = Path(root)
-    name = iteration_dir_name(iteration)
-    if root.exists() and any(root.iterdir()):
-        if (root / name).exists():
-            raise CheckpointError(f"{root / name}: iteration {iteration} is already saved")
-        with atomic_directory(root / name) as directory:
-            _fill_iteration_dir(directory, model, optimizer, common, prefix)
-        write_text_atomic(root / TRACKER, str(iteration))
-        return root / name
-    with atomic_directory(root) as staging:
-        (staging / name).mkdir()
-        _fill_iteration_dir(staging / name, model, optimizer, common, prefix)
-        (staging / TRACKER).write_text(str(iteration))
-    return root / name
+    return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER,
+                          lambda folder: _fill_iteration_dir(folder, model, optimizer, common, prefix))
