@@ -275,3 +275,29 @@ def test_cli_prepare_and_preflight(dataset):
     bad = runner.invoke(app, ["preflight", "data", "--model", "qwen35_dense_tiny", "--data", str(out),
                               "--megatron-loader", "random"])
     assert bad.exit_code == 2 and "dataloader_type" in bad.output
+
+
+def test_cli_preflight_data_reads_real_launch_files(dataset, tmp_path):
+    """--megatron-args takes a run script's command line (continuations, comments) and --mindformers-yaml a
+    generated YAML, read the same way as `preflight config`; a missing file is named."""
+    from crossalign.backends.megatron import megatron_args
+    from crossalign.backends.mindformers import dump_yaml, mindformers_yaml
+    from crossalign.cli import app
+
+    config = load_config("qwen35_dense_tiny")
+    args = megatron_args(config, data_prefix=dataset.prefix, tokenizer=None, load_dir=tmp_path / "ckpt")
+    script = tmp_path / "run_megatron.sh"
+    script.write_text("#!/usr/bin/env bash\ncd /opt/Megatron-LM\n"
+                      "exec python -m torch.distributed.run --nproc_per_node 1 pretrain_gpt.py \\\n    "
+                      + " \\\n    ".join(args) + "\n# an earlier try used --seed 99\n")
+    yaml_file = dump_yaml(mindformers_yaml(config, mode="align", data_prefix=dataset.prefix,
+                                           load_dir=tmp_path / "bf16"), tmp_path / "align_train.yaml")
+    runner = CliRunner()
+    base = ["preflight", "data", "--model", "qwen35_dense_tiny", "--data", str(dataset.prefix.parent), "--batches", "2"]
+    same = runner.invoke(app, [*base, "--megatron-args", str(script), "--mindformers-yaml", str(yaml_file)])
+    assert same.exit_code == 0, same.output
+    assert "identical" in same.output
+
+    missing = runner.invoke(app, [*base, "--mindformers-yaml", str(tmp_path / "absent.yaml")])
+    assert missing.exit_code == 2
+    assert f"{tmp_path / 'absent.yaml'}: MindFormers YAML not found" in " ".join(missing.output.split())

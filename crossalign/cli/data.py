@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import os
-import shlex
 from pathlib import Path
 from typing import Optional
 
@@ -64,8 +63,9 @@ def preflight_data(
     data: Optional[Path] = typer.Option(None, "--data", help="Prepared dataset folder or indexed-dataset prefix "
                                         "(default: prepare one in the user cache)."),
     batches: int = typer.Option(8, "--batches", min=1, help="Global batches to compare."),
-    megatron_args: Optional[Path] = typer.Option(None, "--megatron-args", help="File holding the Megatron argument "
-                                                 "list to take the Megatron settings from."),
+    megatron_args: Optional[Path] = typer.Option(None, "--megatron-args", help="Megatron arguments to take the "
+                                                 "Megatron settings from (one per line, or the pretrain_gpt.py "
+                                                 "command line)."),
     mindformers_yaml: Optional[Path] = typer.Option(None, "--mindformers-yaml", help="MindFormers YAML to take the "
                                                     "MindFormers settings from."),
     megatron_seed: Optional[int] = typer.Option(None, help="Override the Megatron side's --seed."),
@@ -80,18 +80,18 @@ def preflight_data(
     mindformers_num_samples: Optional[int] = typer.Option(None, help="Override MindFormers' sizes[0]."),
 ) -> None:
     """Compare the token digests of the first global batches of both sides; exit 1 when they differ."""
-    import yaml
-
+    from crossalign.backends.preflight import load_megatron_args_file, load_mindformers_yaml_file
     from crossalign.config import ConfigError, load_config
     from crossalign.data.preflight import compare_sample_order
     from crossalign.data.settings import SampleOrderSettings
 
-    with user_errors(ConfigError, ValueError, OSError, yaml.YAMLError):
-        training = load_config(model).training
-        prefix = _resolve_prefix(data, load_config(model).model.vocab_size)
-        megatron = (SampleOrderSettings.from_megatron_args(shlex.split(megatron_args.read_text()))
+    with user_errors(ConfigError, ValueError, OSError):
+        config = load_config(model)
+        training = config.training
+        prefix = _resolve_prefix(data, config.model.vocab_size)
+        megatron = (SampleOrderSettings.from_megatron_args(load_megatron_args_file(megatron_args))
                     if megatron_args else SampleOrderSettings.for_megatron(training))
-        mindformers = (SampleOrderSettings.from_mindformers_yaml(yaml.safe_load(mindformers_yaml.read_text()))
+        mindformers = (SampleOrderSettings.from_mindformers_yaml(load_mindformers_yaml_file(mindformers_yaml))
                        if mindformers_yaml else SampleOrderSettings.for_mindformers(training))
         megatron = _override(megatron, seed=megatron_seed, split=megatron_split, blend=megatron_blend,
                              dataloader_type=megatron_loader, num_samples=megatron_num_samples)
