@@ -40,3 +40,14 @@ def prefect_client_settings(prefect_server):
 
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         yield prefect_server
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The test machine's cores are shared: one intra-op thread avoids OpenMP oversubscription stalls."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -26,13 +26,7 @@ DENSE = load_config("qwen35_dense_tiny").model
 MOE = load_config("qwen35_moe_tiny").model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The test machine's cores are shared: one intra-op thread avoids OpenMP oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def build(model_config, core_version="0.16.1", seed=0) -> Qwen35Model:

@@ -24,13 +24,7 @@ LINE = re.compile(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The test machine's cores are shared: one intra-op thread avoids OpenMP oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def config_with(name: str, **training):
