@@ -129,7 +129,8 @@ def local_server(home: Path, *, scheduler: bool = False, database: Database = "s
 @contextmanager
 def _server(home: Path, scheduler: bool, database_url: str | None) -> Iterator[LocalServer]:
     home.mkdir(parents=True, exist_ok=True)
-    api_url = f"http://127.0.0.1:{free_port()}/api"
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
@@ -146,9 +147,8 @@ def _server(home: Path, scheduler: bool, database_url: str | None) -> Iterator[L
         server_env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database_url
     log_path = home / "server.log"
     with open(log_path, "w") as log:
-        port = api_url.rsplit(":", 1)[1].split("/")[0]
         proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                 "--port", port], env=server_env, stdout=log, stderr=subprocess.STDOUT)
+                                 "--port", str(port)], env=server_env, stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(api_url, proc, log_path)
             yield LocalServer(api_url=api_url, home=home, env=env, database_url=database_url)
@@ -186,7 +186,7 @@ def local_agents(env: dict[str, str], site_file: Path, log_dir: Path,
             with open(log_dir / f"worker-{pool}.log", "w") as log:  # the child keeps its own descriptor
                 agents.append(subprocess.Popen(
                     [crossalign, "agent", "start", "--pool", pool, "--site", str(site_file), "--name", f"local-{pool}"],
-                    env={**env}, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir))
+                    env=env, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir))
         yield agents
     finally:
         for agent in agents:

@@ -2,7 +2,7 @@
 
 Both real backends (Megatron on GPU, MindFormers on NPU) work the same way: they write
 ``run_<framework>.sh`` into the step folder (environment, working directory, the exact
-command: what ran, and a way to re-run it by hand while the step is in progress), run it with output captured line by line into the
+command: what ran, kept with the outputs), run it with output captured line by line into the
 step's log, and then judge the log, because neither framework's exit status can be trusted
 alone (Megatron exits 0 after a checkpoint it could not unpickle).
 
