@@ -11,10 +11,11 @@ Layout on storage that every agent mounts (a local folder by default)::
 
 A step writes into a temporary sibling (``.01-base-train.partial-<host>-<pid>-<nonce>``) and
 renames it into place only after its manifest is written, so a killed step leaves nothing that
-looks complete. A step is done iff its manifest exists and its input digests still match: the
-digest of an upstream step is the sha256 of that step's manifest (which lists the sha256 of every
-output), never of the multi-GB files themselves. Re-running an upstream step therefore makes
-everything downstream stale without touching it.
+looks complete. A step is done iff its manifest exists, its input digests still match and its
+outputs still have the sizes the manifest lists (their sha256 too, when the orchestrator asks on a
+retry or a rerun): the digest of an upstream step is the sha256 of that step's manifest (which
+lists the sha256 of every output), never of the multi-GB files themselves. Re-running an upstream
+step therefore makes everything downstream stale without touching it.
 """
 
 from __future__ import annotations
@@ -276,14 +277,39 @@ class Run:
             digests[upstream] = sha256_file(self.step_dir(upstream) / MANIFEST)
         return digests
 
-    def is_done(self, step: str) -> bool:
+    def is_done(self, step: str, *, checksums: bool = False) -> bool:
+        """The step's manifest is complete, its inputs are unchanged and its outputs are intact.
+
+        Output sizes are always compared with the manifest (a stat per file); ``checksums`` also
+        recomputes every output's sha256, which reads the whole checkpoint: the orchestrator asks
+        for it on a retry or a rerun, where an output may have been damaged since it was committed.
+        """
         manifest = self.manifest(step)
         if manifest is None or manifest.get("status") != "done":
             return False
         try:
-            return manifest.get("inputs") == self.input_digests(step)
+            if manifest.get("inputs") != self.input_digests(step):
+                return False
         except StepNotReady:
             return False
+        return not self.damaged_outputs(step, checksums=checksums)
+
+    def damaged_outputs(self, step: str, *, checksums: bool = False) -> list[str]:
+        """The outputs of a committed step that are missing or differ from its manifest, each with why."""
+        folder = self.step_dir(step)
+        damaged = []
+        for output in (self.manifest(step) or {}).get("outputs", []):
+            path = folder / output["path"]
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                damaged.append(f"{output['path']}: missing")
+                continue
+            if size != output["size"]:
+                damaged.append(f"{output['path']}: {size} bytes, the manifest says {output['size']}")
+            elif checksums and sha256_file(path) != output["sha256"]:
+                damaged.append(f"{output['path']}: sha256 differs from the manifest")
+        return damaged
 
     def attempt(self, step: str) -> dict[str, Any] | None:
         path = self.path / ATTEMPTS / f"{step_spec(step).name}.json"

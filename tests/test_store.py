@@ -122,6 +122,28 @@ def test_redoing_an_upstream_step_makes_downstream_stale(tmp_path):
     assert run.is_done("convert")
 
 
+def test_damaged_output_makes_the_step_not_done_and_its_consumer_not_ready(tmp_path):
+    """Sizes are checked whenever completion is asked; a same-size change only with checksums (retry, rerun)."""
+    store, run = _new_run(tmp_path)
+    for step in ("base-train", "cast-bf16"):
+        _commit(run, step)
+    output = run.step_dir("cast-bf16") / "sub" / "out.bin"
+    output.write_text("WEIGHTS")  # same size, other bytes
+    assert run.is_done("cast-bf16"), "sizes alone cannot see a same-size change"
+    assert not run.is_done("cast-bf16", checksums=True)
+    assert run.damaged_outputs("cast-bf16", checksums=True) == ["sub/out.bin: sha256 differs from the manifest"]
+
+    output.write_text("weights, truncated later")
+    assert not run.is_done("cast-bf16")
+    assert run.state("cast-bf16").status == "stale"
+    assert run.damaged_outputs("cast-bf16") == ["sub/out.bin: 24 bytes, the manifest says 7"]
+    with pytest.raises(StepNotReady, match="convert needs cast-bf16"):
+        with run.commit("convert", command="x"):
+            pass
+    output.unlink()
+    assert run.damaged_outputs("cast-bf16") == ["sub/out.bin: missing"]
+
+
 def test_changed_dataset_makes_training_steps_stale(tmp_path):
     store, run = _new_run(tmp_path)
     _commit(run, "base-train")
