@@ -20,7 +20,7 @@ from crossalign.backends.megatron import (
     parse_iteration_line,
     verify_megatron_log,
 )
-from crossalign.backends.preflight import parse_megatron_args
+from crossalign.launch_files import parse_megatron_args
 from crossalign.config import load_config
 from crossalign.site import FrameworkSite, SiteConfig
 

@@ -301,3 +301,22 @@ def test_cli_preflight_data_reads_real_launch_files(dataset, tmp_path):
     missing = runner.invoke(app, [*base, "--mindformers-yaml", str(tmp_path / "absent.yaml")])
     assert missing.exit_code == 2
     assert f"{tmp_path / 'absent.yaml'}: MindFormers YAML not found" in " ".join(missing.output.split())
+
+
+# ---- layering ---------------------------------------------------------------------------------
+
+
+def test_the_dataset_layer_never_imports_the_backends():
+    """data/ sits below backends/: what both need (dataset files, launch-file readers) is in launch_files."""
+    import ast
+
+    import crossalign.data
+
+    package = Path(crossalign.data.__file__).parent
+    reaching_up = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            reaching_up += [f"{path.name}: {name}" for name in names if name.startswith("crossalign.backends")]
+    assert reaching_up == []

@@ -11,15 +11,10 @@ from typer.testing import CliRunner
 
 from crossalign.backends.megatron import megatron_args
 from crossalign.backends.mindformers import mindformers_yaml
-from crossalign.backends.preflight import (
-    PreflightInputError,
-    load_megatron_args_file,
-    megatron_lr,
-    mindformers_lr,
-    preflight_config,
-)
+from crossalign.backends.preflight import megatron_lr, mindformers_lr, preflight_config
 from crossalign.cli import app
 from crossalign.config import load_config
+from crossalign.launch_files import PreflightInputError, load_megatron_args_file
 
 PREFIX = "/data/corpus_text_document"
 

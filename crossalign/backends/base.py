@@ -12,20 +12,13 @@ from pathlib import Path
 from typing import Callable, Literal, Protocol
 
 from crossalign.config import AlignmentConfig
+from crossalign.launch_files import DatasetFiles
 
 Side = Literal["mindformers", "megatron"]
 Mode = Literal["base", "align"]
 
 # on_step(step, total_steps, metrics) is called after every optimizer step, for progress bars and Prefect.
 StepCallback = Callable[[int, int, dict[str, float]], None]
-
-
-@dataclass(frozen=True)
-class DatasetFiles:
-    """A prepared dataset: a Megatron indexed dataset prefix (``prefix.bin``/``prefix.idx``) and its tokenizer."""
-
-    prefix: Path
-    tokenizer: Path
 
 
 @dataclass

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import ast
 import math
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
-
-import yaml
 
 from crossalign.config import AlignmentConfig
 from crossalign.data.settings import (
@@ -34,13 +31,10 @@ from crossalign.data.settings import (
     SampleOrderError,
     split_vector,
 )
+from crossalign.launch_files import parse_megatron_args
 
 UNSET = "(unset)"
 LR_STEPS_SHOWN = 12
-
-
-class PreflightInputError(ValueError):
-    """A Megatron argument file or MindFormers YAML that cannot be read; names the file."""
 
 
 @dataclass(frozen=True)
@@ -181,37 +175,6 @@ def mindformers_lr(step: int, *, scheduler: str, lr: float, init: float, warmup:
 # ---- reading Megatron arguments --------------------------------------------------------------------
 
 
-def parse_megatron_args(args: Sequence[str]) -> dict[str, list[str]]:
-    """``--flag [values...]`` -> {flag: values} (empty list for a switch; the last occurrence wins)."""
-    parsed: dict[str, list[str]] = {}
-    current: str | None = None
-    for token in args:
-        if token.startswith("--"):
-            flag, _, inline = token.partition("=")
-            current = flag
-            parsed[flag] = [inline] if inline else []
-        elif current is not None:
-            parsed[current].append(token)
-    return parsed
-
-
-def load_megatron_args_file(path: Path) -> list[str]:
-    """Arguments from a file: one per line, or a shell command line (the part after the ``*.py`` script)."""
-    if not path.exists():
-        raise PreflightInputError(f"{path}: Megatron arguments file not found")
-    text = path.read_text().replace("\\\n", " ")
-    try:
-        tokens = shlex.split(text, comments=True)
-    except ValueError as exc:
-        raise PreflightInputError(f"{path}: cannot split into arguments ({exc})") from None
-    scripts = [i for i, tok in enumerate(tokens) if tok.endswith(".py")]
-    if scripts:
-        tokens = tokens[scripts[-1] + 1:]
-    if not any(tok.startswith("--") for tok in tokens):
-        raise PreflightInputError(f"{path}: no --arguments found")
-    return tokens
-
-
 def read_megatron_args(args: Sequence[str]) -> dict[str, Reading]:
     """Every number-changing setting as Megatron (core 0.16 defaults) will run it."""
     a = parse_megatron_args(args)
@@ -345,18 +308,6 @@ def read_megatron_args(args: Sequence[str]) -> dict[str, Reading]:
 
 
 # ---- reading MindFormers YAML --------------------------------------------------------------------------
-
-
-def load_mindformers_yaml_file(path: Path) -> dict:
-    if not path.exists():
-        raise PreflightInputError(f"{path}: MindFormers YAML not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise PreflightInputError(f"{path}: not valid YAML ({exc})") from None
-    if not isinstance(data, dict):
-        raise PreflightInputError(f"{path}: expected a mapping (a pynative TrainConfig)")
-    return data
 
 
 def read_mindformers_yaml(data: Mapping[str, Any]) -> dict[str, Reading]:

@@ -100,13 +100,9 @@ def config(
     from rich.table import Table
 
     from crossalign.backends.launch import BackendSetupError
-    from crossalign.backends.preflight import (
-        PreflightInputError,
-        load_megatron_args_file,
-        load_mindformers_yaml_file,
-        preflight_config,
-    )
+    from crossalign.backends.preflight import preflight_config
     from crossalign.config import ConfigError, load_config
+    from crossalign.launch_files import PreflightInputError, load_megatron_args_file, load_mindformers_yaml_file
 
     with user_errors(ConfigError, PreflightInputError, BackendSetupError):
         cfg = load_config(model)

@@ -80,7 +80,7 @@ def preflight_data(
     mindformers_num_samples: Optional[int] = typer.Option(None, help="Override MindFormers' sizes[0]."),
 ) -> None:
     """Compare the token digests of the first global batches of both sides; exit 1 when they differ."""
-    from crossalign.backends.preflight import load_megatron_args_file, load_mindformers_yaml_file
+    from crossalign.launch_files import load_megatron_args_file, load_mindformers_yaml_file
     from crossalign.config import ConfigError, load_config
     from crossalign.data.preflight import compare_sample_order
     from crossalign.data.settings import SampleOrderSettings

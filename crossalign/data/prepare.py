@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from crossalign.backends.base import DatasetFiles
 from crossalign.data.corpus import CORPUS_SHA256, corpus_documents
+from crossalign.launch_files import DatasetFiles
 
 PREFIX_NAME = "corpus_text_document"
 TOKENIZER_NAME = "tokenizer.json"
