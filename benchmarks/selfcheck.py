@@ -41,7 +41,7 @@ else:
     from crossalign.selfcheck import selfcheck
     report = selfcheck(config, seq=seq or None, batch=batch or None)
     result = {"passed": report.passed, "stages": report.seconds, "batch": list(report.batch_shape),
-              "outputs": {o.name: o.max_rel for o in report.outputs}, "failures": report.failures()}
+              "outputs": {f"{p.name}: {o.name}": o.max_rel for p in report.pairs for o in p.checks}, "failures": report.failures()}
 result["seconds"] = time.perf_counter() - start
 print(json.dumps(result))
 """

@@ -1,38 +1,87 @@
-"""The conversion self-check: the MindSpore model on the MindFormers checkpoint and the PyTorch model on the
-converted Megatron checkpoint must give the same outputs for the same batch.
+"""The conversion self-check: every implementation of Qwen3.5 we have, each on its own checkpoint, must give the
+same outputs for the same batch.
 
 This is the source procedure's "strongly recommended" check (load the conversion, run one
-forward, compare step-1 losses) done on CPU in fp32 with our two reference models, so it
-needs no GPU and no NPU and is exact enough to see any wrong rule: both loads are strict
-(a missing, unexpected or misshaped key fails and is named, where Megatron would silently
-keep a random weight), then logits, lm loss, every MTP loss and the aux loss are compared.
-Without a checkpoint it makes one: a realistic random model of the config, saved as a
-MindFormers checkpoint and converted by the converter under test, optionally with a named
-fault injected to show what that pitfall looks like.
+forward, compare step-1 losses) done on CPU in fp32, so it needs no GPU and no NPU and is
+exact enough to see any wrong rule. The implementations are a list (:data:`IMPLEMENTATIONS`):
+the MindSpore model on the MindFormers checkpoint, and the PyTorch reference and
+megatron-core's own ``GPTModel`` on the converted Megatron checkpoint. Every load is strict (a
+missing, unexpected or misshaped key fails and is named, where Megatron would silently keep
+a random weight); then logits, lm loss, every MTP loss and the aux loss are compared for each
+pair. With three or more, the one that disagrees with all the others while they agree among
+themselves is named: a wrong conversion shows as MindSpore against the rest, a bug in one
+model as that model against the rest. Without a checkpoint it makes one: a realistic random
+model of the config, saved as a MindFormers checkpoint and converted by the converter under
+test, optionally with a named fault injected to show what that pitfall looks like.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 from crossalign.config import AlignmentConfig, load_config
 from crossalign.diagnose.compare import compare_arrays
-from crossalign.diagnose.sides import (Outputs, SideError, build_megatron, build_mindspore, make_batch, run_megatron,
-                                       run_mindspore)
+from crossalign.diagnose.sides import (Batch, Outputs, SideError, build_megatron, build_mindspore, make_batch,
+                                       run_megatron, run_mindspore)
 
 # stage name -> called when a stage starts (the CLI shows it; tests ignore it)
 StageCallback = Callable[[str], None]
 
 
 @dataclass(frozen=True)
+class Checkpoints:
+    """The checkpoints under test: the MindFormers original and its conversion."""
+
+    mindformers: Path
+    megatron: Path
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One implementation of the model: its name, the checkpoint it reads, and one strict forward.
+
+    ``run`` raises :class:`SideError` when its checkpoint does not load strictly. On the
+    MindFormers checkpoint that is bad input (it is the source of the conversion); on the
+    converted checkpoint it is a failed check, reported as that implementation's load error.
+    """
+
+    name: str
+    reads: Literal["mindformers", "megatron"]
+    run: Callable[[AlignmentConfig, Checkpoints, Batch], Outputs]
+
+
+def _run_mindspore(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
+    from crossalign.checkpoint.mindformers import read_mindformers_checkpoint
+
+    net = build_mindspore(config.model, read_mindformers_checkpoint(checkpoints.mindformers).model_state())
+    return run_mindspore(net, batch)
+
+
+def _run_pytorch(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
+    from crossalign.checkpoint.megatron import read_megatron_checkpoint
+
+    state = read_megatron_checkpoint(checkpoints.megatron, config.model).state
+    net, _ = build_megatron(config.model, state, config.training.megatron_core_version, strict=True)
+    return run_megatron(net, batch)
+
+
+# The first is the reference of every comparison it is part of (relative errors are taken against it).
+IMPLEMENTATIONS: list[Implementation] = [
+    Implementation("MindSpore", "mindformers", _run_mindspore),
+    Implementation("PyTorch", "megatron", _run_pytorch),
+]
+
+
+@dataclass(frozen=True)
 class Tolerances:
-    """fp32 on both sides. Losses: relative error |mg - ms| / |ms|. Logits: max abs error over max |logit|,
-    and cosine similarity. A loss that is exactly 0 on the MindSpore side (aux loss of a dense model) must
+    """fp32 everywhere. Losses: relative error |b - a| / |a|. Logits: max abs error over max |logit|,
+    and cosine similarity. A loss that is exactly 0 on the reference side (aux loss of a dense model) must
     be below ``zero_abs`` on the other."""
 
     loss_rel: float = 1e-5
@@ -43,16 +92,44 @@ class Tolerances:
 
 @dataclass
 class OutputCheck:
-    """One output compared: the MindSpore value (reference) and the Megatron one."""
+    """One output compared between two implementations: the reference value and the other one."""
 
     name: str
-    mindspore: float | None  # scalars only
-    megatron: float | None
+    reference: float | None  # scalars only
+    other: float | None
     max_abs: float
     max_rel: float
     cosine: float | None  # logits only
     passed: bool
     limit: str
+
+
+@dataclass
+class ImplementationResult:
+    """What one implementation gave: its outputs, or why its checkpoint did not load."""
+
+    name: str
+    checkpoint: str
+    outputs: Outputs | None = None
+    load_error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class PairCheck:
+    """Every output of ``other`` compared with ``reference``."""
+
+    reference: str
+    other: str
+    checks: list[OutputCheck]
+
+    @property
+    def name(self) -> str:
+        return f"{self.reference} vs {self.other}"
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
 
 
 @dataclass
@@ -63,20 +140,43 @@ class SelfcheckReport:
     mindspore_checkpoint: str
     megatron_checkpoint: str
     fault: str | None
-    outputs: list[OutputCheck] = field(default_factory=list)
-    load_error: str | None = None
+    implementations: list[ImplementationResult] = field(default_factory=list)
+    pairs: list[PairCheck] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+
+    def result(self, name: str) -> ImplementationResult:
+        return next(r for r in self.implementations if r.name == name)
+
+    def pair(self, reference: str, other: str) -> PairCheck:
+        return next(p for p in self.pairs if (p.reference, p.other) == (reference, other))
+
+    @property
+    def load_errors(self) -> list[str]:
+        return [f"{r.name}: {r.load_error}" for r in self.implementations if r.load_error is not None]
 
     @property
     def passed(self) -> bool:
-        return self.load_error is None and bool(self.outputs) and all(o.passed for o in self.outputs)
+        return not self.load_errors and bool(self.pairs) and all(p.passed for p in self.pairs)
+
+    def odd_one_out(self) -> str | None:
+        """The implementation that alone fails: the only one whose checkpoint did not load, or the one that
+        disagrees with every other while all the others agree among themselves (needs three or more)."""
+        failed_loads = [r.name for r in self.implementations if r.load_error is not None]
+        if failed_loads:
+            return failed_loads[0] if len(failed_loads) == 1 and len(self.implementations) > 2 else None
+        for result in self.implementations:
+            with_it = [p for p in self.pairs if result.name in (p.reference, p.other)]
+            without = [p for p in self.pairs if result.name not in (p.reference, p.other)]
+            if without and all(p.passed for p in without) and not any(p.passed for p in with_it):
+                return result.name
+        return None
 
     def failures(self) -> list[str]:
-        """One line per problem: the load error naming its keys, or each output outside tolerance."""
-        if self.load_error is not None:
-            return [self.load_error]
-        return [f"{o.name}: max rel {o.max_rel:.3e}" + ("" if o.cosine is None else f", cosine {o.cosine:.8f}")
-                + f" ({o.limit})" for o in self.outputs if not o.passed]
+        """One line per problem: each load error naming its keys, or each output outside tolerance per pair."""
+        if self.load_errors:
+            return self.load_errors
+        return [f"{p.name}: {o.name}: max rel {o.max_rel:.3e}" + ("" if o.cosine is None else f", cosine {o.cosine:.8f}")
+                + f" ({o.limit})" for p in self.pairs for o in p.checks if not o.passed]
 
 
 def _scalar_check(name: str, reference: float, other: float, tol: Tolerances) -> OutputCheck:
@@ -94,26 +194,34 @@ def _scalar_check(name: str, reference: float, other: float, tol: Tolerances) ->
     return OutputCheck(name, reference, other, max_abs, max_rel, None, passed, limit)
 
 
-def compare_outputs(mindspore: Outputs, megatron: Outputs, tolerances: Tolerances | None = None) -> list[OutputCheck]:
+def scalar_outputs(outputs: Outputs) -> dict[str, float]:
+    """The scalar outputs by the names the checks use: lm loss, mtp_k loss, aux loss."""
+    values = {"lm loss": outputs.lm_loss}
+    values.update({f"mtp_{k} loss": float(v) for k, v in enumerate(outputs.mtp_losses, start=1)})
+    values["aux loss"] = outputs.aux_loss
+    return values
+
+
+def compare_outputs(reference: Outputs, other: Outputs, tolerances: Tolerances | None = None) -> list[OutputCheck]:
     """Every forward output compared (logits, lm loss, mtp losses, aux loss)."""
     tol = tolerances or Tolerances()
     checks = []
-    if mindspore.logits.shape != megatron.logits.shape:
+    if reference.logits.shape != other.logits.shape:
         checks.append(OutputCheck("logits", None, None, math.nan, math.nan, math.nan, False,
-                                  f"shapes {mindspore.logits.shape} vs {megatron.logits.shape}"))
+                                  f"shapes {reference.logits.shape} vs {other.logits.shape}"))
     else:
-        cosine, max_abs, max_rel = compare_arrays(mindspore.logits, megatron.logits)
+        cosine, max_abs, max_rel = compare_arrays(reference.logits, other.logits)
         passed = max_rel <= tol.logits_rel and cosine >= tol.logits_cosine
         checks.append(OutputCheck("logits", None, None, max_abs, max_rel, cosine, passed,
                                   f"rel<={tol.logits_rel:g} cos>=1-{1 - tol.logits_cosine:.0e}"))
-    checks.append(_scalar_check("lm loss", mindspore.lm_loss, megatron.lm_loss, tol))
-    if mindspore.mtp_losses.shape != megatron.mtp_losses.shape:
+    checks.append(_scalar_check("lm loss", reference.lm_loss, other.lm_loss, tol))
+    if reference.mtp_losses.shape != other.mtp_losses.shape:
         checks.append(OutputCheck("mtp loss", None, None, math.nan, math.nan, None, False,
-                                  f"{mindspore.mtp_losses.size} vs {megatron.mtp_losses.size} MTP layers"))
+                                  f"{reference.mtp_losses.size} vs {other.mtp_losses.size} MTP layers"))
     else:
-        for k, (a, b) in enumerate(zip(mindspore.mtp_losses, megatron.mtp_losses), start=1):
+        for k, (a, b) in enumerate(zip(reference.mtp_losses, other.mtp_losses), start=1):
             checks.append(_scalar_check(f"mtp_{k} loss", float(a), float(b), tol))
-    checks.append(_scalar_check("aux loss", mindspore.aux_loss, megatron.aux_loss, tol))
+    checks.append(_scalar_check("aux loss", reference.aux_loss, other.aux_loss, tol))
     return checks
 
 
@@ -138,18 +246,16 @@ def _make_checkpoints(config: AlignmentConfig, workdir: Path, ms_ckpt: Path | No
 def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None, mg_ckpt: Path | None = None,
               fault: str | None = None, seq: int | None = None, batch: int | None = None, *,
               data: Path | None = None, seed: int = 1234, tolerances: Tolerances | None = None,
+              implementations: list[Implementation] | None = None,
               on_stage: StageCallback | None = None) -> SelfcheckReport:
-    """Run both reference models on one batch and compare their outputs.
+    """Run every implementation on one batch and compare each pair's outputs.
 
     ms_ckpt and mg_ckpt: a MindFormers checkpoint and its conversion. With ms_ckpt alone the
     converter converts it; with neither, a random model of the config (seeded) is written and
     converted. ``fault`` injects a named conversion fault (only when this function converts).
-    A Megatron checkpoint that does not load strictly is a failed check (``load_error``); a
-    MindFormers checkpoint that does not fit the config raises :class:`SideError`.
+    A converted checkpoint that does not load strictly is a failed check (that implementation's
+    ``load_error``); a MindFormers checkpoint that does not fit the config raises :class:`SideError`.
     """
-    from crossalign.checkpoint.megatron import read_megatron_checkpoint
-    from crossalign.checkpoint.mindformers import read_mindformers_checkpoint
-
     stage = on_stage or (lambda name: None)
     if not isinstance(config, AlignmentConfig):
         config = load_config(config)
@@ -166,31 +272,28 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
         megatron_checkpoint=str(mg_ckpt) if mg_ckpt is not None else
         "converted here" + (f" with fault {fault}" if fault else ""),
         fault=fault, seconds=seconds)
-    # One side at a time: a real config's weights, model and logits must not all be in memory twice.
+    # One implementation at a time: a real config's weights, model and logits must not all be in memory twice.
     with tempfile.TemporaryDirectory(prefix="crossalign-selfcheck-") as tmp:
         if mg_ckpt is None:
             start = time.perf_counter()
             stage("writing and converting a checkpoint" if ms_ckpt is None else "converting the checkpoint")
             ms_ckpt, mg_ckpt = _make_checkpoints(config, Path(tmp), ms_ckpt, fault, seed)
             seconds["convert"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        stage("MindSpore forward")
-        ms_net = build_mindspore(model, read_mindformers_checkpoint(Path(ms_ckpt)).model_state())
-        ms_out = run_mindspore(ms_net, the_batch)
-        del ms_net
-        seconds["mindspore"] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        stage("PyTorch forward")
-        try:
-            net, _ = build_megatron(model, read_megatron_checkpoint(Path(mg_ckpt), model).state,
-                                    config.training.megatron_core_version, strict=True)
-        except SideError as exc:
-            report.load_error = str(exc)
-            return report
-        mg_out = run_megatron(net, the_batch)
-        del net
-        seconds["megatron"] = time.perf_counter() - start
-    report.outputs = compare_outputs(ms_out, mg_out, tolerances)
+        checkpoints = Checkpoints(mindformers=Path(ms_ckpt), megatron=Path(mg_ckpt))
+        for implementation in implementations or IMPLEMENTATIONS:
+            result = ImplementationResult(implementation.name, implementation.reads)
+            start = time.perf_counter()
+            stage(f"{implementation.name} forward")
+            try:
+                result.outputs = implementation.run(config, checkpoints, the_batch)
+            except SideError as exc:
+                if implementation.reads == "mindformers":
+                    raise
+                result.load_error = str(exc)
+            result.seconds = seconds[implementation.name] = time.perf_counter() - start
+            report.implementations.append(result)
+    loaded = [r for r in report.implementations if r.outputs is not None]
+    for reference, other in itertools.combinations(loaded, 2):
+        report.pairs.append(PairCheck(reference.name, other.name,
+                                      compare_outputs(reference.outputs, other.outputs, tolerances)))
     return report

@@ -19,7 +19,7 @@ from crossalign.cli import app
 from crossalign.config import load_config
 from crossalign.diagnose.sides import (SideError, build_megatron, build_mindspore, random_batch, run_megatron,
                                        run_mindspore)
-from crossalign.selfcheck import compare_outputs, selfcheck
+from crossalign.selfcheck import IMPLEMENTATIONS, compare_outputs, selfcheck
 
 SEQ, BATCH = 32, 1
 CONFIGS = ("qwen35_dense_tiny", "qwen35_moe_tiny")
@@ -87,16 +87,20 @@ def test_each_fault_is_caught_and_a_correct_conversion_passes(references, name, 
 def test_selfcheck_converts_a_random_model_and_passes():
     report = selfcheck("qwen35_dense_tiny", seq=SEQ, batch=BATCH)
     assert report.passed, report.failures()
-    by_name = {c.name: c for c in report.outputs}
-    assert set(by_name) == {"logits", "lm loss", "mtp_1 loss", "aux loss"}
-    assert by_name["lm loss"].max_rel <= 1e-5 and by_name["mtp_1 loss"].max_rel <= 1e-5
-    assert by_name["aux loss"].mindspore == 0.0
+    assert [r.name for r in report.implementations] == [i.name for i in IMPLEMENTATIONS]
+    assert len(report.pairs) == len(IMPLEMENTATIONS) * (len(IMPLEMENTATIONS) - 1) // 2
+    for pair in report.pairs:
+        by_name = {c.name: c for c in pair.checks}
+        assert set(by_name) == {"logits", "lm loss", "mtp_1 loss", "aux loss"}
+        assert by_name["lm loss"].max_rel <= 1e-5 and by_name["mtp_1 loss"].max_rel <= 1e-5, pair.name
+        assert by_name["aux loss"].reference == 0.0
+    assert report.odd_one_out() is None
 
 
 def test_selfcheck_with_a_fault_names_the_failing_outputs():
     report = selfcheck("qwen35_moe_tiny", seq=SEQ, batch=BATCH, fault="routed_expert_not_transposed")
-    assert not report.passed and report.load_error is None
-    failed = {line.split(":")[0] for line in report.failures()}
+    assert not report.passed and not report.load_errors
+    failed = {line.split(": ")[1] for line in report.failures() if line.startswith("MindSpore vs PyTorch")}
     assert {"logits", "lm loss", "mtp_1 loss"} <= failed
 
 
@@ -123,3 +127,31 @@ def test_cli_exit_status(tmp_path):
     wrong_model = runner.invoke(app, ["selfcheck", "--model", "qwen35_moe_tiny", "--input", str(ms), "--converted",
                                       str(mg), "--seq", str(SEQ), "--batch", "1"])
     assert wrong_model.exit_code == 2 and "mlp.experts.weight1" in wrong_model.output
+
+
+def _report(names, agreeing, load_errors=()):
+    """A report over ``names`` where exactly the pairs in ``agreeing`` passed."""
+    from crossalign.selfcheck import ImplementationResult, OutputCheck, PairCheck, SelfcheckReport
+
+    report = SelfcheckReport("m", (1, 1), "b", "ms", "mg", None)
+    report.implementations = [ImplementationResult(n, "megatron", load_error="missing x" if n in load_errors else None)
+                              for n in names]
+    loaded = [n for n in names if n not in load_errors]
+    for i, a in enumerate(loaded):
+        for b in loaded[i + 1:]:
+            passed = {a, b} in [set(pair) for pair in agreeing]
+            report.pairs.append(PairCheck(a, b, [OutputCheck("lm loss", 1.0, 1.0, 0.0, 0.0, None, passed, "")]))
+    return report
+
+
+def test_the_odd_one_out_is_the_one_that_disagrees_with_all_others_that_agree():
+    three = ["MindSpore", "PyTorch", "megatron-core"]
+    assert _report(three, [("PyTorch", "megatron-core")]).odd_one_out() == "MindSpore"
+    assert _report(three, [("MindSpore", "PyTorch")]).odd_one_out() == "megatron-core"
+    assert _report(three, []).odd_one_out() is None  # nobody agrees: no single culprit
+    assert _report(three, [("MindSpore", "PyTorch"), ("PyTorch", "megatron-core")]).odd_one_out() is None
+    assert _report(three, [("MindSpore", "PyTorch")], load_errors=("megatron-core",)).odd_one_out() == "megatron-core"
+    assert _report(three[:2], []).odd_one_out() is None  # two that differ: either may be wrong
+    four = three + ["transformers"]
+    agreeing = [("MindSpore", "PyTorch"), ("MindSpore", "transformers"), ("PyTorch", "transformers")]
+    assert _report(four, agreeing).odd_one_out() == "megatron-core"

@@ -1,4 +1,4 @@
-"""``crossalign selfcheck``: prove a conversion with one forward pass of both reference models."""
+"""``crossalign selfcheck``: prove a conversion with one forward pass of every implementation of the model."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def selfcheck_command(
                                         "batch instead of random tokens."),
     seed: int = typer.Option(1234, "--seed", help="Seed of the random weights and tokens."),
 ) -> None:
-    """Load a MindFormers checkpoint into the MindSpore model and its conversion into the PyTorch (Megatron)
-    model, both strictly, run one batch through both in fp32 and compare every output.
+    """Load a MindFormers checkpoint into the MindSpore model and its conversion into the PyTorch reference
+    and megatron-core's own GPTModel, all strictly, run one batch through each in fp32 and compare every
+    output of every pair; name the odd one out.
 
     Exit status 0 when every output is within tolerance, 1 when not (or when the converted
     checkpoint does not load strictly), 2 for unusable input.
@@ -49,7 +50,7 @@ def selfcheck_command(
     from crossalign.checkpoint.faults import FAULTS
     from crossalign.config import ConfigError, load_config
     from crossalign.diagnose.sides import SideError
-    from crossalign.selfcheck import selfcheck
+    from crossalign.selfcheck import scalar_outputs, selfcheck
 
     with user_errors(CheckpointError, ConfigError, SideError, OSError):
         if fault is not None and fault not in FAULTS:
@@ -60,23 +61,38 @@ def selfcheck_command(
                                on_stage=lambda stage: status.update(stage))
 
     console.print(f"{report.config}: batch {report.batch_shape[0]} x {report.batch_shape[1]} ({report.batch_source})\n"
-                  f"  MindSpore: {report.mindspore_checkpoint}\n  Megatron:  {report.megatron_checkpoint}",
-                  highlight=False)
-    if report.load_error is not None:
-        console.print(f"[bold red]FAIL[/] the Megatron checkpoint does not load strictly "
-                      f"(Megatron would keep random weights):\n{escape(report.load_error)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
-    table = Table("output", "MindSpore", "Megatron", "max abs", "max rel", "cosine", "limit", "")
-    for check in report.outputs:
-        table.add_row(check.name, _number(check.mindspore, ".6f"), _number(check.megatron, ".6f"),
-                      _number(check.max_abs, ".3e"), _number(check.max_rel, ".3e"),
-                      _number(check.cosine, ".7f"), check.limit,
-                      "[green]ok[/]" if check.passed else "[bold red]FAIL[/]")
-    console.print(table)
+                  f"  MindFormers checkpoint: {report.mindspore_checkpoint}\n"
+                  f"  Megatron checkpoint:    {report.megatron_checkpoint}", highlight=False)
+    for result in report.implementations:
+        if result.load_error is not None:
+            console.print(f"[bold red]FAIL[/] {result.name}: the {result.checkpoint} checkpoint does not load strictly "
+                          f"(Megatron would keep random weights):\n{escape(result.load_error)}",
+                          highlight=False, soft_wrap=True)
+    loaded = [r for r in report.implementations if r.outputs is not None]
+    if report.pairs:
+        values = Table("output", *(r.name for r in loaded), title="outputs")
+        for name in scalar_outputs(loaded[0].outputs):
+            values.add_row(name, *(_number(scalar_outputs(r.outputs).get(name), ".6f") for r in loaded))
+        console.print(values)
+        table = Table("pair", "output", "max abs", "max rel", "cosine", "limit", "", title="each pair")
+        for pair in report.pairs:
+            for check in pair.checks:
+                table.add_row(pair.name, check.name, _number(check.max_abs, ".3e"), _number(check.max_rel, ".3e"),
+                              _number(check.cosine, ".7f"), check.limit,
+                              "[green]ok[/]" if check.passed else "[bold red]FAIL[/]")
+        console.print(table)
     timing = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in report.seconds.items())
     if report.passed:
-        console.print(f"[bold green]PASS[/] every output within tolerance ({timing})", highlight=False)
+        console.print(f"[bold green]PASS[/] {len(report.implementations)} implementations agree on every output "
+                      f"({timing})", highlight=False)
         return
+    for pair in report.pairs:
+        console.print(f"  {pair.name}: " + ("[green]agree[/]" if pair.passed else "[bold red]differ[/]"), highlight=False)
+    odd = report.odd_one_out()
+    if odd is not None:
+        console.print(f"[bold red]FAIL[/] the odd one out is {odd}" +
+                      (": the conversion (or the MindSpore model) is wrong" if odd == "MindSpore" else
+                       f": {odd} disagrees with the others"), highlight=False)
     console.print("[bold red]FAIL[/] " + escape("; ".join(report.failures())) +
                   "\n  localise it with: crossalign diagnose --model ... --input ... --converted ...",
                   highlight=False, soft_wrap=True)
