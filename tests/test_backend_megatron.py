@@ -20,8 +20,10 @@ from crossalign.backends.megatron import (
     parse_iteration_line,
     verify_megatron_log,
 )
-from crossalign.launch_files import parse_megatron_args
+from crossalign.backends.mindformers import mindformers_yaml
+from crossalign.backends.preflight import preflight_config
 from crossalign.config import load_config
+from crossalign.launch_files import parse_megatron_args
 from crossalign.site import FrameworkSite, SiteConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -57,6 +59,41 @@ def test_dense_arguments_follow_the_spec():
         assert a[switch] == [], switch
     assert "--apply-layernorm-1p" not in a
     assert not [flag for flag in a if flag.startswith("--moe") or flag == "--num-experts"]
+
+
+def with_core(name: str, version: str):
+    config = load_config(name)
+    return config.model_copy(update={"training": config.training.model_copy(
+        update={"megatron_core_version": version})})
+
+
+@pytest.mark.parametrize("version, vocab_arg", [("0.16.1", 248319), ("0.17.1", 248319), ("0.18.0", 248320),
+                                                ("0.19.0", 248320)])
+def test_vocab_size_argument_follows_the_null_tokenizer_of_the_core_version(version: str, vocab_arg: int):
+    # 0.16/0.17: NullTokenizer reports --vocab-size + 1; from 0.18 exactly --vocab-size (null_tokenizer.py)
+    config = with_core("qwen35_dense", version)
+    args = megatron_args(config, data_prefix="/d", tokenizer=None, load_dir="/ckpt")
+    assert parse_megatron_args(args)["--vocab-size"] == [str(vocab_arg)]
+    rows = {row.name: row for row in preflight_config(config).rows}["vocab rows"]
+    assert rows.ok and rows.megatron == "248320", rows
+
+    # arguments written for another core version give the wrong number of rows, and preflight says so
+    other = "0.18.0" if version < "0.18" else "0.16.1"
+    foreign = megatron_args(with_core("qwen35_dense", other), data_prefix="/d", tokenizer=None, load_dir="/ckpt")
+    report = preflight_config(config, megatron_args=foreign,
+                              mindformers_yaml=mindformers_yaml(config, mode="align", data_prefix="/d", load_dir="/c"))
+    assert report.mismatches == ["vocab rows"]
+
+
+def test_installed_null_tokenizer_gives_the_checkpoint_rows():
+    """The megatron-core 0.16.1 wheel's own NullTokenizer, fed the generated --vocab-size."""
+    from crossalign.data.mcore import quiet_megatron_import
+
+    with quiet_megatron_import():
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+    args = parse_megatron_args(megatron_args(load_config("qwen35_dense"), data_prefix="/d", tokenizer=None,
+                                             load_dir="/ckpt"))
+    assert NullTokenizer(int(args["--vocab-size"][0])).vocab_size == load_config("qwen35_dense").model.padded_vocab_size
 
 
 def test_moe_arguments_follow_the_spec():

@@ -56,6 +56,27 @@ DETERMINISTIC_ENV = {
 }
 
 
+# NullTokenizer's vocab size: core 0.16.x and 0.17.x report --vocab-size + 1 (the extra id is its
+# eod: core_v0.16.1 megatron/training/tokenizer/tokenizer.py:813-835 (_NullTokenizer), core_v0.17.0
+# megatron/core/tokenizers/text/libraries/null_tokenizer.py:16-17,52); from core 0.18.0 exactly
+# --vocab-size, eod = vocab_size - 1 (core_v0.18.0 and core_v0.19.0 null_tokenizer.py:16-19,60-62).
+# _build_tokenizer then pads that size up to a multiple of --make-vocab-size-divisible-by x TP
+# (core_v0.18.0 megatron/core/tokenizers/utils/build_tokenizer.py:124-143), and the embedding of
+# the checkpoint must have exactly that many rows.
+NULL_TOKENIZER_EXACT_FROM = (0, 18, 0)
+
+
+def null_tokenizer_vocab_size(vocab_size_arg: int, core_version: str | tuple[int, ...]) -> int:
+    """The vocab size NullTokenizer reports for ``--vocab-size vocab_size_arg`` in this megatron-core."""
+    version = parse_version(core_version) if isinstance(core_version, str) else tuple(core_version)
+    return vocab_size_arg if version >= NULL_TOKENIZER_EXACT_FROM else vocab_size_arg + 1
+
+
+def null_tokenizer_vocab_arg(rows: int, core_version: str | tuple[int, ...]) -> int:
+    """The ``--vocab-size`` that makes NullTokenizer report exactly ``rows`` (the checkpoint's embedding rows)."""
+    return rows - (null_tokenizer_vocab_size(rows, core_version) - rows)
+
+
 def _num(value: float) -> str:
     """A float as Megatron's argparse reads it back exactly."""
     return repr(float(value))
@@ -154,7 +175,7 @@ def megatron_args(
             args.append("--moe-router-pre-softmax")
     args += [
         "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", str(m.padded_vocab_size - 1),  # NullTokenizer adds one (its eod)
+        "--vocab-size", str(null_tokenizer_vocab_arg(m.padded_vocab_size, t.megatron_core_version)),
         "--make-vocab-size-divisible-by", "1",
         "--data-path", str(data_prefix),
         "--split", t.split,

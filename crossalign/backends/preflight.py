@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from crossalign.config import AlignmentConfig
+from crossalign.backends.megatron import null_tokenizer_vocab_size
+from crossalign.config import AlignmentConfig, TrainingConfig
 from crossalign.data.settings import (
     MEGATRON_DEFAULT_SEED,
     MEGATRON_DEFAULT_SPLIT,
@@ -175,8 +176,12 @@ def mindformers_lr(step: int, *, scheduler: str, lr: float, init: float, warmup:
 # ---- reading Megatron arguments --------------------------------------------------------------------
 
 
-def read_megatron_args(args: Sequence[str]) -> dict[str, Reading]:
-    """Every number-changing setting as Megatron (core 0.16 defaults) will run it."""
+def read_megatron_args(args: Sequence[str], core_version: str) -> dict[str, Reading]:
+    """Every number-changing setting as Megatron (core 0.16 defaults) will run it.
+
+    ``core_version`` is the megatron-core the arguments are for: it decides how many vocab rows a
+    NullTokenizer's ``--vocab-size`` gives (see :func:`null_tokenizer_vocab_size`).
+    """
     a = parse_megatron_args(args)
 
     def raw(flag: str) -> str | None:
@@ -270,8 +275,8 @@ def read_megatron_args(args: Sequence[str]) -> dict[str, Reading]:
     tokenizer = raw("--tokenizer-type")
     if vocab is not None and tokenizer == "NullTokenizer":
         multiple = int(raw("--make-vocab-size-divisible-by") or 128) * int(raw("--tensor-model-parallel-size") or 1)
-        rows = math.ceil((vocab + 1) / multiple) * multiple
-        r["vocab rows"] = _reading(rows, "--vocab-size (NullTokenizer +1, padded)")
+        rows = math.ceil(null_tokenizer_vocab_size(vocab, core_version) / multiple) * multiple
+        r["vocab rows"] = _reading(rows, f"--vocab-size (NullTokenizer of core {core_version}, padded)")
     else:
         r["vocab rows"] = Reading(None, f"from the {tokenizer or 'default'} tokenizer", "--tokenizer-type")
     r["position embedding"] = _reading(raw("--position-embedding-type") or "learned_absolute", "--position-embedding-type")
@@ -488,4 +493,6 @@ def preflight_config(config: AlignmentConfig | None = None, megatron_args: Seque
         if mindformers_yaml is None:
             mindformers_yaml = make_yaml(config, mode="align", data_prefix=prefix,
                                          load_dir=Path("MINDFORMERS_CHECKPOINT"))
-    return compare_readings(read_megatron_args(megatron_args), read_mindformers_yaml(mindformers_yaml))
+    core_version = (config.training.megatron_core_version if config is not None
+                    else TrainingConfig.model_fields["megatron_core_version"].default)
+    return compare_readings(read_megatron_args(megatron_args, core_version), read_mindformers_yaml(mindformers_yaml))
