@@ -21,34 +21,37 @@ MODEL = {
     "half.weight": torch.randn(3).half(),
     "already.weight": torch.randn(2).bfloat16(),
     "counts": torch.arange(4, dtype=torch.int64),
+    "decoder.layers.0.mlp.tokens_per_expert": torch.tensor([5.0, 3.0, 0.0, 8.0]),  # MindFormers' MoE buffer
 }
-OPTIMIZER = {"adam_m.layer.weight": torch.randn(6, 4), "global_step": torch.tensor([9], dtype=torch.int32)}
+# as MindFormers 2.1.0's pynative AdamW saves it: moments and an int64 step count
+OPTIMIZER = {"adam_m.layer.weight": torch.randn(6, 4), "global_step": torch.tensor([9], dtype=torch.int64)}
 
 
 def _source(tmp_path: Path) -> Path:
     write_mindformers_checkpoint(tmp_path / "src", 9, MODEL, OPTIMIZER, default_common(9, 8))
-    (tmp_path / "src" / "iteration_00000009" / "metadata.json").write_text('{"state_dict_metadata": {}}')
     return tmp_path / "src"
 
 
-def test_cast_keeps_the_layout_and_casts_only_floats(tmp_path):
+def test_cast_keeps_the_layout_and_casts_only_weights(tmp_path):
     report = cast_bf16(_source(tmp_path), tmp_path / "out")
     src, out = tmp_path / "src" / "iteration_00000009", tmp_path / "out" / "iteration_00000009"
     assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "9"
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
-    for name in ("common.json", "metadata.json"):
-        assert (out / name).read_bytes() == (src / name).read_bytes()
-    for file in src.glob("*.safetensors"):
-        before, after = load_file(file), load_file(out / file.name)
-        assert list(after) == list(before)
-        for key, tensor in before.items():
-            if tensor.is_floating_point():
-                assert after[key].dtype == torch.bfloat16 and torch.equal(after[key], tensor.to(torch.bfloat16))
-            else:
-                assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor)
-        assert read_header(out / file.name)[1] == {"format": "ms"}
-        assert [i.name for i in read_header(out / file.name)[0]] == [i.name for i in read_header(file)[0]]
-    assert (report.tensors, report.cast) == (6, 3)  # the bf16 one and the two integer tensors are not cast
+    assert (out / "common.json").read_bytes() == (src / "common.json").read_bytes()
+    model = "qwen35-model-0000000-0000001.safetensors"
+    before, after = load_file(src / model), load_file(out / model)
+    assert list(after) == list(before)
+    for key, tensor in before.items():
+        if tensor.is_floating_point() and key != "decoder.layers.0.mlp.tokens_per_expert":
+            assert after[key].dtype == torch.bfloat16 and torch.equal(after[key], tensor.to(torch.bfloat16))
+        else:  # integers and the buffer, which MindFormers keeps in fp32
+            assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor)
+    assert read_header(out / model)[1] == {"format": "ms"}
+    assert [i.name for i in read_header(out / model)[0]] == [i.name for i in read_header(src / model)[0]]
+    optimizer = "qwen35-opt-0000000-0000001.safetensors"  # fp32 moments for a resume: copied as they are
+    assert (out / optimizer).read_bytes() == (src / optimizer).read_bytes()
+    assert report.optimizer_files == [tmp_path / "out" / "iteration_00000009" / optimizer]
+    assert (report.tensors, report.cast, report.buffers) == (5, 2, 1)  # bf16, integer and buffer are not cast
     assert report.bytes_out < report.bytes_in
     assert json.loads((out / "common.json").read_text())["global_step"] == 9
 
@@ -118,6 +121,7 @@ def test_cast_holds_one_tensor_at_a_time(tmp_path):
 def test_cli_cast(tmp_path):
     result = CliRunner().invoke(app, ["cast-bf16", "--input", str(_source(tmp_path)), "--output", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
-    assert "cast 3 of 6 tensors" in result.output
+    assert "cast 2 of 5 tensors" in result.output
+    assert "kept 1 buffer(s) and 1 optimizer file(s) as they are" in result.output
     again = CliRunner().invoke(app, ["cast-bf16", "--input", str(tmp_path / "src"), "--output", str(tmp_path / "o")])
     assert again.exit_code == 2 and "not empty" in again.output

@@ -117,6 +117,20 @@ def mindformers_shapes(model: ModelConfig) -> dict[str, Shape]:
     return shapes
 
 
+def mindformers_buffers(model: ModelConfig) -> dict[str, Shape]:
+    """The non-trainable buffers MindFormers' pynative model saves beside its weights, with their shapes.
+
+    Each MoE layer, the MTP layer's included, counts the tokens routed to each expert in
+    ``mlp.tokens_per_expert`` (E,) float32 (mindformers 2.1.0 ``pynative/transformers/moe/moe_layer.py:84``).
+    Megatron has no such state (its counts are not saved), so a conversion leaves them out.
+    """
+    if not model.is_moe:
+        return {}
+    layers = [f"decoder.layers.{i}." for i in range(model.num_layers)]
+    layers += [f"mtp.layers.{k}.transformer_layer." for k in range(model.mtp_num_layers)]
+    return {f"{prefix}mlp.tokens_per_expert": (model.num_experts,) for prefix in layers}
+
+
 # ---- Megatron (TE spec, torch state dict) side --------------------------------------------------
 
 
