@@ -57,6 +57,9 @@ def cast_bf16_command(
     console.print(f"cast {result.cast} of {result.tensors} tensors to bf16 in {len(result.files)} file(s): "
                   f"{_size(result.bytes_in)} -> {_size(result.bytes_out)} in {result.seconds:.1f} s -> {output_dir}",
                   highlight=False)
+    if result.buffers or result.optimizer_files:
+        console.print(f"kept {result.buffers} buffer(s) and {len(result.optimizer_files)} optimizer file(s) "
+                      "as they are", highlight=False)
 
 
 def convert_command(
