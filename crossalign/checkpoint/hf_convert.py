@@ -1,0 +1,121 @@
+"""Hugging Face <-> MindFormers / Megatron conversion: ``hf2mg``, ``hf2ms`` and ``ms2hf``.
+
+The HF rules (``hf_rules.py``) map to Megatron's layout; MindFormers is reached through it with
+the existing rules, so every direction uses rules that each state their inverse. The input is
+checked against its shape table before anything is computed, the output against the other
+side's table before anything is written, and the output folder appears whole or not at all.
+hf2mg streams (one rule's tensors in memory at a time, as ms2mg); hf2ms and ms2hf hold the
+model once in memory on the way through Megatron's layout.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from crossalign.checkpoint.atomic import check_output_dir
+from crossalign.checkpoint.blocks import one_thread
+from crossalign.checkpoint.convert import (DTYPES, ConvertReport, Progress, _cast, _forward_specs, _from_memory, _inverse,
+                                           _nbytes, _outputs, _reused_reads, _run, check_state, mindformers_to_megatron)
+from crossalign.checkpoint.errors import CheckpointError
+from crossalign.checkpoint.hf import HFCheckpoint, read_hf_checkpoint, write_hf_checkpoint
+from crossalign.checkpoint.hf_rules import hf_plan, hf_shapes
+from crossalign.checkpoint.layout import check_expert_form
+from crossalign.checkpoint.megatron import stream_megatron_checkpoint
+from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.checkpoint.reshard import check_parallel_sizes
+from crossalign.config import ConfigError, ModelConfig
+from crossalign.hf_config import hf_config_from_model
+
+HF_DIRECTIONS = ("hf2ms", "hf2mg", "ms2hf")
+THROUGH = "0.16.1"  # the Megatron layout an hf2ms / ms2hf conversion passes through (any version gives the same)
+CONFIG_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _checked_source(path: Path, model: ModelConfig) -> HFCheckpoint:
+    source = read_hf_checkpoint(path)
+    shapes = {key: info.shape for key, info in source.entries.items()}
+    check_state(shapes, hf_shapes(model, source.experts, source.root),
+                f"Hugging Face checkpoint {source.directory} does not match model {model.name}")
+    return source
+
+
+def hf_to_megatron_state(source: HFCheckpoint, model: ModelConfig, core_version: str = THROUGH,
+                         experts: str = "stacked") -> dict[str, torch.Tensor]:
+    """A checked HF checkpoint as a Megatron state dict in memory (norms as plain gammas)."""
+    plan = hf_plan(model, core_version, experts, source.experts, source.root)
+    return _run(plan, lambda keys: [source.tensor(key) for key in keys], len(source.entries), True)
+
+
+def megatron_to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig,
+                         core_version: str = THROUGH) -> dict[str, torch.Tensor]:
+    """A Megatron state dict (either expert form) as the HF text model's state, in HF key order."""
+    experts = "per_expert" if any(key.endswith("linear_fc1.weight0") for key in state) else "stacked"
+    out = _run(hf_plan(model, core_version, experts), _from_memory(state), len(state), False)
+    table = hf_shapes(model)
+    check_state({key: tuple(t.shape) for key, t in out.items()}, table, f"Hugging Face output for model {model.name}")
+    return {key: out[key] for key in table}
+
+
+def convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: Path, *, core_version: str = "0.16.1",
+               dtype: str = "fp32", experts: str = "per_expert", tp: int = 1, pp: int = 1,
+               global_batch_size: int | None = None, iteration: int = 0,
+               progress: Progress | None = None) -> ConvertReport:
+    """Convert between a Hugging Face checkpoint folder and a MindFormers (hf2ms, ms2hf) or Megatron (hf2mg) one.
+
+    A checkpoint converted from HF has the iteration ``iteration`` (0: nothing trained yet).
+    """
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    if direction not in HF_DIRECTIONS:
+        raise CheckpointError(f"direction {direction!r} is not one of {', '.join(HF_DIRECTIONS)}")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_expert_form(experts)
+    if direction != "hf2mg" and (tp, pp) != (1, 1):
+        raise CheckpointError(f"{direction} reads or writes a single-rank checkpoint: --tp and --pp apply to hf2mg only")
+    check_parallel_sizes(model, tp, pp)
+    check_output_dir(output_dir)
+    start = time.perf_counter()
+    if direction == "hf2mg":
+        source = _checked_source(input_dir, model)
+        plan = hf_plan(model, core_version, experts, source.experts, source.root)
+        specs = _forward_specs(plan, source.entries, model, core_version, experts, dtype)
+        keys_in = len(source.entries)
+        with one_thread():
+            written = stream_megatron_checkpoint(output_dir, iteration, specs,
+                                                 _outputs(plan, _reused_reads(source), keys_in, True, progress),
+                                                 model=model, tp=tp, pp=pp)
+        files = sorted(written.glob("mp_rank_*/*.pt"))
+        bytes_in = sum(info.nbytes for info in source.entries.values())
+        keys_out, bytes_out = len(specs), sum(spec.nbytes for spec in specs.values())
+    elif direction == "hf2ms":
+        source = _checked_source(input_dir, model)
+        keys_in, bytes_in = len(source.entries), sum(info.nbytes for info in source.entries.values())
+        megatron = hf_to_megatron_state(source, model)
+        shapes = {key: tuple(t.shape) for key, t in megatron.items()}
+        state = _inverse(lambda keys: [_cast(megatron.pop(key), dtype) for key in keys], shapes, model, THROUGH,
+                         f"Megatron form of {source.directory}", progress)
+        written = write_mindformers_checkpoint(output_dir, iteration, state, None,
+                                               default_common(iteration, global_batch_size))
+        files = sorted(written.glob("*.safetensors"))
+        keys_out, bytes_out = len(state), _nbytes(state.values())
+    else:
+        try:
+            config = hf_config_from_model(model, "float32")
+        except ConfigError as exc:
+            raise CheckpointError(str(exc)) from None
+        source_ms = read_mindformers_checkpoint(input_dir)
+        loaded = source_ms.model_state()
+        iteration = source_ms.iteration or 0
+        keys_in, bytes_in = len(loaded), _nbytes(loaded.values())
+        hf_state = {key: _cast(tensor, dtype) for key, tensor in
+                    megatron_to_hf_state(mindformers_to_megatron(loaded, model, THROUGH, "stacked"), model).items()}
+        del loaded
+        config["dtype"] = CONFIG_DTYPES.get(next(iter(hf_state.values())).dtype, "float32")
+        files = write_hf_checkpoint(output_dir, hf_state, config)
+        keys_out, bytes_out = len(hf_state), _nbytes(hf_state.values())
+    return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
+                         keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
+                         seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, dtype=dtype)
