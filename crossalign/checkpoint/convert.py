@@ -45,7 +45,7 @@ from crossalign.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-Direction = Literal["ms2mg", "mg2ms"]
+Direction = Literal["ms2mg", "mg2ms", "hf2ms", "hf2mg", "ms2hf"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "keep": None}
 Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, what is being done)
 Shapes = Mapping[str, tuple[int, ...]]
@@ -239,8 +239,15 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     ``dtype`` casts floating tensors (fp32, as the source converter does, bf16, or keep).
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
+    if direction in ("hf2ms", "hf2mg", "ms2hf"):
+        if fault is not None:
+            raise CheckpointError("fault injection simulates an ms2mg converter: it does not apply to " + direction)
+        from crossalign.checkpoint.hf_convert import convert_hf  # builds on this module
+
+        return convert_hf(model, direction, input_dir, output_dir, core_version=core_version, dtype=dtype,
+                          experts=experts, tp=tp, pp=pp, global_batch_size=global_batch_size, progress=progress)
     if direction not in ("ms2mg", "mg2ms"):
-        raise CheckpointError(f"direction {direction!r} is not ms2mg or mg2ms")
+        raise CheckpointError(f"direction {direction!r} is not one of ms2mg, mg2ms, hf2ms, hf2mg, ms2hf")
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_expert_form(experts)
