@@ -314,6 +314,18 @@ class SharedExpert(nn.Module):
         return out
 
 
+def switch_aux_loss(scores: torch.Tensor, top_experts: torch.Tensor, coeff: float) -> torch.Tensor:
+    """Megatron's switch load-balancing loss of one MoE layer, coefficient included.
+
+    scores [N, E]: the full softmax of the router logits; top_experts [N, k]: the chosen experts.
+    E * coeff / (k * N^2) * sum_i (sum over tokens of score_i) * (tokens routed to i).
+    """
+    num_tokens, num_experts = scores.shape
+    topk = top_experts.shape[-1]
+    tokens_per_expert = torch.bincount(top_experts.flatten(), minlength=num_experts).to(scores.dtype)
+    return (scores.sum(dim=0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * num_tokens * num_tokens))
+
+
 class Router(nn.Module):
     """Softmax top-k router in fp32 with Megatron's switch load-balancing loss."""
 
@@ -338,12 +350,7 @@ class Router(nn.Module):
         else:
             probs, top_experts = scores.topk(self.topk, dim=-1)
         probs = probs * self.scaling
-
-        num_tokens = tokens.shape[0]
-        tokens_per_expert = torch.bincount(top_experts.flatten(), minlength=self.num_experts).to(scores.dtype)
-        aux = (scores.sum(dim=0) * tokens_per_expert).sum() * (
-            self.num_experts * self.aux_loss_coeff / (self.topk * num_tokens * num_tokens))
-        return probs, top_experts, aux
+        return probs, top_experts, switch_aux_loss(scores, top_experts, self.aux_loss_coeff)
 
 
 class MoE(nn.Module):
