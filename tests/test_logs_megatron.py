@@ -72,13 +72,24 @@ def test_rank_prefixed_lines_are_read():
     np.testing.assert_allclose(df["lm_loss"], LM, rtol=1e-6)
 
 
-def test_log_interval_recovers_the_interval_mean(tmp_path):
+def test_log_interval_line_holds_its_interval_and_only_a_first_line_on_a_boundary_is_undone(tmp_path):
     losses = [10.0 + k for k in range(12)]
-    path = write_log(tmp_path / "i4.log", megatron_lines(losses, log_interval=4))
-    df = parse_megatron_log(path)
-    assert df["step"].tolist() == [1, 4, 8, 12]
-    # the step-4 line holds mean(1..4); the true mean over 2..4 is recovered
-    assert df["lm_loss"].tolist() == pytest.approx([10.0, np.mean(losses[1:4]), np.mean(losses[4:8]), np.mean(losses[8:12])])
+    fresh = parse_megatron_log(write_log(tmp_path / "i4.log", megatron_lines(losses, log_interval=4)))
+    assert fresh["step"].tolist() == [1, 4, 8, 12]
+    # iteration 1 is off the boundary: the step-4 line is the interval 1..4 by design, in every core
+    assert fresh["lm_loss"].tolist() == pytest.approx([10.0, np.mean(losses[0:4]), np.mean(losses[4:8]),
+                                                       np.mean(losses[8:12])])
+    assert fresh.attrs["corrections"] == [] and fresh.attrs["log_interval"] == 4
+    # a process resumed at iteration 4 (on the boundary): 0.16-0.19 print mean(4..8) at step 8
+    resumed = megatron_lines(losses[3:], log_interval=4, first_step=4)
+    df = parse_megatron_log(write_log(tmp_path / "r4.log", resumed))
+    assert df["step"].tolist() == [4, 8, 12]
+    assert df["lm_loss"].tolist() == pytest.approx([losses[3], np.mean(losses[4:8]), np.mean(losses[8:12])])
+    assert [c["step"] for c in df.attrs["corrections"]] == [8]
+    fixed = megatron_lines(losses[3:], log_interval=4, first_step=4, core_version="0.20.0")
+    df = parse_megatron_log(write_log(tmp_path / "f4.log", fixed), core_version="0.20.0")
+    assert df["lm_loss"].tolist() == pytest.approx([losses[3], np.mean(losses[4:8]), np.mean(losses[8:12])])
+    assert df.attrs["corrections"] == []
 
 
 def test_nan_loss_is_not_printed_and_reads_as_nan(tmp_path):

@@ -72,7 +72,7 @@ def test_interleaved_ranks_take_the_last_stage():
     df = parse_log(FIXTURES / "mindformers_multirank.log")
     assert df["step"].tolist() == list(range(1, 11))
     np.testing.assert_allclose(df["lm_loss"], LM, atol=1e-6)
-    assert any("rank 3" in n for n in df.attrs["notes"])
+    assert any("[rank3]" in n for n in df.attrs["notes"])
 
 
 def test_only_non_last_stage_lines_is_an_error(tmp_path):

@@ -19,26 +19,31 @@ __all__ = ["LogFormatError", "detect_format", "parse_log", "parse_megatron_log",
 
 
 def detect_format(path: Path, text: str) -> str:
-    """"megatron", "mindformers-pynative" or "mindformers-graph": the kind of step line the text holds."""
-    found = [name for name, mark, regex in (("megatron", "] iteration ", ITERATION_RE),
-                                            ("mindformers-pynative", "{ step:[", PYNATIVE_RE),
-                                            ("mindformers-graph", "{ Epoch:[", GRAPH_RE))
-             if mark in text and regex.search(text, text.find(mark))]
+    """"megatron", "mindformers-pynative" or "mindformers-graph": the kind of step record the text holds."""
+    found = [name for name, mark, regex in (("megatron", "iteration", ITERATION_RE),
+                                            ("mindformers-pynative", "step:[", PYNATIVE_RE),
+                                            ("mindformers-graph", "Epoch:[", GRAPH_RE))
+             if mark in text and regex.search(text)]
     if not found:
-        what = "is empty" if not text.strip() else "holds no Megatron or MindFormers step line"
-        raise LogFormatError(f"{path}: {what} (expected Megatron ' iteration N/ M |' lines or MindFormers "
-                             "'{ step:[' / '{ Epoch:[' lines)")
+        what = "is empty" if not text.strip() else "holds no Megatron or MindFormers step record"
+        raise LogFormatError(f"{path}: {what} (expected Megatron 'iteration N/ M |' lines or MindFormers "
+                             "'step:[N/M], loss: ...' / 'Epoch:[E/T], step:[N/M], loss...' lines)")
     if len(found) > 1:
         raise LogFormatError(f"{path}: holds step lines of several formats ({', '.join(found)}); "
                              "give one training log per side")
     return found[0]
 
 
-def parse_log(path: Path, core_version: str = "0.16.1", mtp_loss_scaling_factor: float | None = None) -> pd.DataFrame:
-    """Parse a training log of either framework, detected from its content."""
+def parse_log(path: Path, core_version: str | None = "0.16.1", mtp_loss_scaling_factor: float | None = None,
+              log_interval: int | None = None) -> pd.DataFrame:
+    """Parse a training log of either framework, detected from its content.
+
+    ``core_version`` and ``log_interval`` concern Megatron logs only (None: unknown, see
+    ``parse_megatron_text``); ``mtp_loss_scaling_factor`` graph-mode MindFormers logs only.
+    """
     path = Path(path)
     text, truncated = read_log_text(path)
     fmt = detect_format(path, text)
     if fmt == "megatron":
-        return parse_megatron_text(path, text, core_version, truncated)
+        return parse_megatron_text(path, text, core_version, truncated, log_interval)
     return parse_mindformers_text(path, text, mtp_loss_scaling_factor, truncated, fmt)

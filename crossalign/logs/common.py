@@ -12,12 +12,18 @@ comparison needs to know about the log travels in ``DataFrame.attrs``:
 - ``invalid``: reasons that make the run invalid whatever its losses (a failed Megatron load);
 - ``corrections``: the Megatron >= 0.16 first-two-iterations corrections, raw and corrected values;
 - ``duplicate_steps`` / ``restart_steps``: steps logged more than once (identical / different values);
-- Megatron only: ``core_version``; graph mode only: ``loss_is_total`` (only the total loss was
-  printed) and ``unusable`` (series printed in a form that cannot be compared, with the reason).
+- ``extra_losses``: columns of losses the log printed besides lm, MTP and the MoE aux loss (``z_loss``,
+  ``nsp_loss``, ``indexer_loss``, ...), kept under their own names after ``aux_loss``;
+- ``unreadable``: lines that look like step records but could not be read, each
+  ``{"line", "why", "text"}`` (more than ``MAX_UNREADABLE`` of them fail the parse);
+- Megatron only: ``core_version``, ``log_interval``, ``iteration2`` (both readings of the second line
+  after a process start when the core version is unknown); graph mode only: ``loss_is_total`` (only
+  the total loss was printed) and ``unusable`` (series printed in a form that cannot be compared).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +31,10 @@ import pandas as pd
 
 NAN = float("nan")
 MAX_REPORTED_RESTARTS = 10
+MAX_UNREADABLE = 3  # more step-like lines than this that cannot be read fail the parse
+# A launcher's rank tag at the start of a line: ``[default3]:`` (torchrun --tee), ``[rank7]:``,
+# ``[lrdn3321:3]:`` (srun --label with the host name).
+RANK_TAG_RE = re.compile(r"^\s*\[([^\]\s]+)\]:")
 
 
 class LogFormatError(ValueError):
@@ -35,10 +45,62 @@ def mtp_column(k: int) -> str:
     return f"mtp_{k}_loss"
 
 
-def frame_columns(mtp_count: int) -> list[str]:
+def frame_columns(mtp_count: int, extras: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The column order of a parsed log."""
     return ["step", "lm_loss", *(mtp_column(k) for k in range(1, mtp_count + 1)),
-            "aux_loss", "lr", "grad_norm", "step_time_ms"]
+            "aux_loss", *extras, "lr", "grad_norm", "step_time_ms"]
+
+
+def loss_column(label: str) -> str:
+    """The column of an extra loss printed under ``label``: ``"nsp loss"`` -> ``"nsp_loss"``."""
+    return re.sub(r"[^0-9a-z]+", "_", label.lower()).strip("_")
+
+
+def line_of(text: str, offset: int) -> tuple[int, str]:
+    """The 1-based line number at ``offset`` and that line's text (cut to 160 characters)."""
+    start = text.rfind("\n", 0, offset) + 1
+    end = text.find("\n", offset)
+    line = text[start: end if end >= 0 else len(text)]
+    return text.count("\n", 0, start) + 1, line[:160]
+
+
+def unreadable_notes(path: Path, fmt: str, unreadable: list[dict]) -> list[str]:
+    """Notes naming the step-like lines that could not be read; a LogFormatError when they are many.
+
+    A line that holds a step marker but cannot be read is never dropped silently: a few are reported
+    (a line garbled by two ranks writing at once happens), more mean the log is not what the parser
+    thinks it is, and no verdict should rest on it.
+    """
+    if not unreadable:
+        return []
+    first = unreadable[0]
+    if len(unreadable) > MAX_UNREADABLE:
+        raise LogFormatError(
+            f"{path}: {len(unreadable)} lines look like {fmt} step records but cannot be read; the first is "
+            f"line {first['line']} ({first['why']}): {first['text']!r}")
+    return [f"{path.name} line {u['line']}: looks like a step record but cannot be read ({u['why']}); "
+            f"left out: {u['text']!r}" for u in unreadable]
+
+
+def pick_rank(tags: list[str], usable: np.ndarray, notes: list[str]) -> np.ndarray:
+    """Rows of one launcher rank tag when several tags printed step records.
+
+    The last rank prints Megatron's line and the last pipeline stage MindFormers' loss, so the tag
+    with the highest rank number among those that printed usable rows is taken; rows without a tag
+    count as their own group. Returns the mask of rows to keep.
+    """
+    candidates = sorted({t for t, ok in zip(tags, usable) if ok}, key=_rank_order)
+    if len(candidates) <= 1:
+        return usable
+    chosen = candidates[-1]
+    notes.append(f"{len(candidates)} launcher rank tags printed step records ({', '.join(candidates)}); "
+                 f"those of [{chosen}] (the highest rank: the last pipeline stage) are used")
+    return usable & np.array([t == chosen for t in tags], dtype=bool)
+
+
+def _rank_order(tag: str) -> tuple[int, str]:
+    digits = re.findall(r"\d+", tag)
+    return (int(digits[-1]) if digits else -1, tag)
 
 
 def read_log_text(path: Path) -> tuple[str, bool]:
@@ -80,7 +142,7 @@ def step_ranges(steps) -> str:
 
 
 def finish_frame(path: Path, fmt: str, steps: np.ndarray, columns: dict[str, np.ndarray],
-                 mtp_count: int, logged: list[str], attrs: dict) -> pd.DataFrame:
+                 mtp_count: int, logged: list[str], attrs: dict, extras: list[str] | tuple[str, ...] = ()) -> pd.DataFrame:
     """Rows in log order -> one row per step, the last occurrence winning, sorted by step.
 
     A step printed more than once with identical values is a duplicate (several ranks in one
@@ -89,7 +151,7 @@ def finish_frame(path: Path, fmt: str, steps: np.ndarray, columns: dict[str, np.
     if len(steps) == 0:
         raise LogFormatError(f"{path}: no {fmt} step line with a loss value")
     data = {"step": steps.astype(np.int64)}
-    for name in frame_columns(mtp_count)[1:]:
+    for name in frame_columns(mtp_count, extras)[1:]:
         data[name] = columns.get(name, np.full(len(steps), NAN))
     df = pd.DataFrame(data)
     notes = list(attrs.pop("notes", []))
@@ -120,6 +182,7 @@ def finish_frame(path: Path, fmt: str, steps: np.ndarray, columns: dict[str, np.
     df.attrs.update({
         "path": str(path), "format": fmt, "logged": logged, "notes": notes,
         "invalid": attrs.pop("invalid", []), "corrections": attrs.pop("corrections", []),
-        "duplicate_steps": duplicate_steps, "restart_steps": restart_steps, **attrs,
+        "duplicate_steps": duplicate_steps, "restart_steps": restart_steps, "extra_losses": list(extras),
+        "unreadable": attrs.pop("unreadable", []), **attrs,
     })
     return df

@@ -26,9 +26,38 @@ def core_version_tuple(version: str) -> tuple[int, int, int]:
     return int(match[1]), int(match[2]), int(match[3] or 0)
 
 
-def megatron_averages_first_two(core_version: str) -> bool:
-    """From core 0.16 the first logged iteration of a process does not reset the loss accumulators."""
-    return core_version_tuple(core_version) >= (0, 16)
+# Megatron-LM ``megatron/training/training.py::training_log``: from core_v0.16.0 the first iteration of
+# every process is printed whether or not it is on a log-interval boundary, and the loss sums are kept
+# after it (``should_reset = not is_first_iteration``; core_v0.16.0 L1797, core_v0.19.0 L2594, the
+# core_r0.19.0 branch at 0.19.1 unchanged). Upstream PR #7092 (merged into main, then version 0.20.0,
+# in September 2026) resets them when that iteration is on a boundary; no release before 0.20.0 carries it.
+MEGATRON_KEEPS_FIRST_LINE = ((0, 16, 0), (0, 20, 0))  # [first version with the bug, first version fixed)
+
+
+def megatron_prints_first_iteration(core_version: str) -> bool:
+    """From core 0.16 the first iteration of a process is printed even off a log-interval boundary."""
+    return core_version_tuple(core_version) >= MEGATRON_KEEPS_FIRST_LINE[0]
+
+
+def megatron_keeps_first_line(core_version: str | None) -> bool | None:
+    """Whether this core keeps the first printed iteration of a process in its loss sums when that
+    iteration is on a log-interval boundary (so the next line holds the mean of both lines'
+    iterations); None when the version is unknown."""
+    if core_version is None:
+        return None
+    low, fixed = MEGATRON_KEEPS_FIRST_LINE
+    return low <= core_version_tuple(core_version) < fixed
+
+
+def megatron_resets_after_first_line(core_version: str, first_step: int, log_interval: int) -> bool:
+    """Whether ``training_log`` resets its sums after printing the first iteration of a process.
+
+    Before 0.16 a line is printed only on a boundary and always resets; 0.16-0.19 never reset after the
+    first line; from 0.20 they reset when it is on a boundary (off a boundary the interval goes on).
+    """
+    if not megatron_prints_first_iteration(core_version):
+        return True
+    return not megatron_keeps_first_line(core_version) and first_step % log_interval == 0
 
 
 def megatron_prints_loss(value: float, core_version: str) -> bool:
@@ -94,8 +123,8 @@ def pynative_line(
     step: int,
     max_steps: int,
     *,
-    consumed_samples: int,
-    global_batch_size: int,
+    consumed_samples: int | None,
+    global_batch_size: int | None,
     loss: float | None,
     per_step_time_ms: int,
     lr: float | None,
@@ -104,11 +133,15 @@ def pynative_line(
     mtp_losses: tuple[float, ...] = (),
     throughput: float | None = None,
 ) -> str:
-    """One ``LossCallback`` message (without the logger prefix); ``loss=None`` is a non-last PP stage."""
-    parts = [
-        "step:[{:5d}/{:5d}]".format(step, max_steps),
-        f"consumed_samples: {consumed_samples}",
-        f"global_batch_size: {global_batch_size}",
+    """One ``LossCallback`` message (without the logger prefix); ``loss=None`` is a non-last PP stage.
+
+    ``consumed_samples``/``global_batch_size`` None: the release branches r1.9.0 and r2.0.0, which print
+    neither (``_print_log``, r1.9.0 L169-190, r2.0.0 L270-310); MindFormers master added both in July 2026.
+    """
+    parts = ["step:[{:5d}/{:5d}]".format(step, max_steps)]
+    if consumed_samples is not None:
+        parts += [f"consumed_samples: {consumed_samples}", f"global_batch_size: {global_batch_size}"]
+    parts += [
         "loss: N/A (non-last PP stage, refer to last stage for real loss)" if loss is None else f"loss: {loss:10.6f}",
         f"per_step_time: {per_step_time_ms:6d}ms",
     ]

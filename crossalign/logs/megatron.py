@@ -1,14 +1,26 @@
 """Parse a Megatron-LM training log (``training_log`` lines, SPEC section 7) into a DataFrame.
 
-Everything that is not an iteration line (argument dumps, warnings, tracebacks, validation
-blocks, other ranks' output) is skipped by the regex itself. Three Megatron habits matter:
+A record is a line holding ``iteration N/ M |`` followed by ``|``-separated fields. Everything around
+it is read as published logs show it: no timestamp, `` [date]``, ``[date]``, launcher rank tags
+(``[default3]: ``, ``[host:rank]: ``), MindSpeed's ``INFO [date] >>  ``; elapsed time in ms or s; the
+2019 form without colons (``lm loss 1.0E+01``); extra fields whose values hold colons or spaces; a
+record wrapped over two lines. Every record is read on its own, so a field missing from one record
+(no ``lm loss`` when every iteration of the interval was skipped, no ``grad norm``) is NaN there and
+nowhere else. Validation lines, DeepSpeed's ``steps: N loss: X``, memory and timer lines are not records.
+
+Losses are kept by name: ``lm loss``, ``mtp_K loss``, the MoE aux loss (``load_balancing_loss``, else
+``seq_load_balancing_loss``, else ``global_load_balancing_loss``: the first of these the log prints)
+and every other loss (``z_loss``, ``nsp loss``, the aux variants not chosen) as an extra column.
+
+Three Megatron habits matter:
 
 - the printed ``learning rate`` is the lr of the *next* iteration (``lr_step_offset`` 1);
-- from core 0.16 the second line after every process start holds the mean of that interval and
-  the first iteration (the accumulators are not reset after the first line): the true value is
-  recovered as ``((b-a+1)*printed(b) - printed(a)) / (b-a)`` for first line a and second line b,
-  i.e. ``2*printed(2) - printed(1)`` with log interval 1;
-- a loss whose average is NaN (or not positive in 0.16) is not printed at all: read as NaN.
+- cores 0.16-0.19 keep the first printed iteration of a process in the loss sums; when it is on a
+  log-interval boundary (always with ``--log-interval 1``) the next line holds the mean over both
+  lines' iterations (``formats.megatron_keeps_first_line``). For a known version the true value is
+  recovered as ``((b-a+1)*printed(b) - printed(a)) / (b-a)`` for first line a and second line b;
+  for an unknown version both readings are kept (``attrs["iteration2"]``) for the comparison to test;
+- a loss whose average is NaN (or not positive before core 0.17) is not printed at all: read as NaN.
 
 A failed checkpoint load (``load_return: _IncompatibleKeys`` with real weights, "could not load
 the checkpoint", a start from random weights) makes the run invalid: ``attrs["invalid"]``.
@@ -17,138 +29,206 @@ the checkpoint", a start from random weights) makes the run invalid: ``attrs["in
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from crossalign.logs.common import (
-    NAN, LogFormatError, finish_frame, floats, mtp_column, read_log_text, step_ranges,
+    NAN, RANK_TAG_RE, LogFormatError, finish_frame, floats, line_of, loss_column, mtp_column, pick_rank,
+    read_log_text, step_ranges, unreadable_notes,
 )
-from crossalign.logs.formats import megatron_averages_first_two
+from crossalign.logs.formats import megatron_keeps_first_line
 
-ITERATION_RE = re.compile(r"\] iteration\s+\d+/\s*\d+ \|")
-_VALUE = r"([^\s|]+)"
-_ANY = r"[^|\n]*"
+# no \b before "iteration": it would cost the regex engine its literal scan (10x slower on big logs)
+ITERATION_RE = re.compile(r"iteration\s+\d+\s*/\s*\d+\s*\|")
+_RECORD_RE = re.compile(r"^([^\n]*?)iteration\s+(\d+)\s*/\s*\d+\s*\|([^\n]*)$", re.M)
 # Printed once per process before its first iteration (rank 0 only).
 _PROCESS_START_MARKERS = ("[before the start of training step]",
                           "------------------------ arguments ------------------------")
 _INCOMPATIBLE_RE = re.compile(r"load_return: _IncompatibleKeys\(missing_keys=\[([^\]]*)\], "
                               r"unexpected_keys=\[([^\]]*)\]\)")
 _NOT_LOADED_MESSAGES = ("could not load the checkpoint", "will not load any checkpoints and will start from random")
-_GENERIC_RE = re.compile(r"\] iteration\s+(\d+)/\s*\d+ \|([^\n]*)")
-_FIELD_NAMES = {"lm loss": "lm_loss", "load_balancing_loss": "aux_loss", "learning rate": "lr",
-                "grad norm": "grad_norm", "elapsed time per iteration (ms)": "step_time_ms"}
+AUX_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
+_MTP_LABEL_RE = re.compile(r"mtp_(\d+) loss$")
+_FIXED = {"lm loss": "lm_loss", "learning rate": "lr", "grad norm": "grad_norm",
+          "elapsed time per iteration (ms)": "step_time_ms", "elapsed time per iteration (s)": "step_time_s"}
+_LINE_START_RE = re.compile(r"\s*(?:\[|INFO\b|WARNING\b|ERROR\b|\d{4}-\d\d-\d\d)")
 
 
-def _field(name: str, value: str = _ANY) -> str:
-    return rf"(?: {name}: {value} \|)?"
+def split_fields(body: str) -> list[tuple[str, str]]:
+    """``" consumed samples: 8 | lm loss 1.0E+01 | ..."`` -> ``[("consumed samples", "8"), ("lm loss", ...)]``.
 
-
-def _line_regex(mtp_count: int) -> re.Pattern:
-    """The iteration line with every field Megatron may print, in print order, each optional."""
-    pattern = (
-        r"\] iteration\s+(\d+)/\s*\d+ \|"
-        + _field("consumed samples") + _field("skipped samples")
-        + _field(r"elapsed time per iteration \(ms\)", _VALUE)
-        + _field(r"throughput per GPU \(TFLOP/s/GPU\)") + _field(r"energy per GPU \(J/iter/GPU\)")
-        + _field(r"power per GPU \(W/GPU\)")
-        + _field("learning rate", _VALUE) + _field("global batch size")
-        + _field("lm loss", _VALUE) + _field("z_loss") + _field("load_balancing_loss", _VALUE)
-        + _field("seq_load_balancing_loss") + _field("global_load_balancing_loss")
-        + "".join(_field(f"mtp_{k} loss", _VALUE) for k in range(1, mtp_count + 1))
-        + _field("loss scale") + _field("grad norm", _VALUE)
-        + r"([^\n]*)"
-    )
-    return re.compile(pattern)
-
-
-def _find_all(text: str, needles: tuple[str, ...]) -> list[int]:
-    """Offsets of every occurrence of the literal needles (str.find is much faster than a regex here)."""
-    found = []
-    for needle in needles:
-        at = text.find(needle)
-        while at >= 0:
-            found.append(at)
-            at = text.find(needle, at + 1)
-    return found
-
-
-def _mtp_count(text: str) -> int:
-    k = 0
-    while f" mtp_{k + 1} loss: " in text:
-        k += 1
-    return k
-
-
-def _first_line_regex(segment: str, mtp_count: int) -> tuple[re.Pattern, list[str]] | None:
-    """A strict regex for lines laid out exactly like the segment's first iteration line (the common
-    case, about twice as fast as the general one), and the columns its groups capture."""
-    first = _GENERIC_RE.search(segment)
-    if first is None:
-        return None
-    wanted = dict(_FIELD_NAMES, **{f"mtp_{k} loss": mtp_column(k) for k in range(1, mtp_count + 1)})
-    pattern, names = r"\] iteration\s+(\d+)/\s*\d+ \|", []
-    for part in first[2].split(" |")[:-1]:
-        label = part.strip().split(": ", 1)[0]
-        if label in wanted:
-            pattern += rf" {re.escape(label)}: ([^\s|]+) \|"
-            names.append(wanted[label])
+    A field is ``label: value`` (the value may hold colons and spaces: ``elapsed time: 10m 7s``) or,
+    in the 2019 form, ``label value`` with the value the last word. A trailing part cut off without
+    its ``|`` is not a field.
+    """
+    fields = []
+    for part in body.split("|")[:-1]:
+        part = part.strip()
+        if not part:
+            continue
+        if ":" in part:
+            label, value = part.split(":", 1)
         else:
+            label, _, value = part.rpartition(" ")
+        fields.append((" ".join(label.split()), value.strip()))
+    return fields
+
+
+class _Columns:
+    """Which column each printed label feeds, decided by name from the labels of a part of the log."""
+
+    def __init__(self, labels: set[str]):
+        self.aux = next((name for name in AUX_LOSS_NAMES if name in labels), None)
+        self.mtp_count = max((int(m[1]) for m in map(_MTP_LABEL_RE.match, labels) if m), default=0)
+        self.extras: list[str] = []
+        self.names: dict[str, str] = {}
+        for label in sorted(labels):
+            name = self._name(label)
+            if name is not None:
+                self.names[label] = name
+
+    def _name(self, label: str) -> str | None:
+        if label in _FIXED:
+            return _FIXED[label]
+        if label == self.aux:
+            return "aux_loss"
+        mtp = _MTP_LABEL_RE.match(label)
+        if mtp:
+            return mtp_column(int(mtp[1]))
+        if label.endswith("loss"):
+            name = loss_column(label)
+            if name not in self.extras:
+                self.extras.append(name)
+            return name
+        return None
+
+
+def _fast(segment: str, count: int) -> tuple[np.ndarray, dict[str, np.ndarray], _Columns] | None:
+    """One regex over the whole segment, laid out like its first record and anchored at the line end,
+    so a record laid out otherwise does not match at all; None unless every record matched it."""
+    first = _RECORD_RE.search(segment)
+    if first is None or not first[3].rstrip().endswith("|"):
+        return None
+    tag = RANK_TAG_RE.match(first[1])
+    tagged = r"^\s*\[" + (re.escape(tag[1]) if tag else r"[^\]\s]+") + r"\]:[^\n]*?iteration\s+\d+\s*/"
+    if tag and len(re.findall(tagged, segment, re.M)) != count or (
+            not tag and "]:" in segment and re.search(tagged, segment, re.M)):
+        return None  # several ranks: the record-by-record path picks one
+    fields = split_fields(first[3])
+    columns = _Columns({label for label, _ in fields})
+    pattern, names = r"iteration\s+(\d+)\s*/\s*\d+\s*\|", []
+    for part in first[3].split("|")[:-1]:
+        field = split_fields(part + "|")
+        name = columns.names.get(field[0][0]) if field else None
+        if name is None:
             pattern += r"[^|\n]*\|"
-    return re.compile(pattern), names
-
-
-def _extract_fast(segment: str, mtp_count: int) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
-    """One regex over the whole segment; None when some line does not fit it."""
-    strict = _first_line_regex(segment, mtp_count)
-    if strict is None:
-        return np.empty(0, dtype=np.int64), {}
-    regex, names = strict
-    rows = regex.findall(segment)
-    if len(rows) != segment.count("] iteration "):
-        rows = _line_regex(mtp_count).findall(segment)
-        names = ["step_time_ms", "lr", "lm_loss", "aux_loss",
-                 *(mtp_column(k) for k in range(1, mtp_count + 1)), "grad_norm", "rest"]
-        if any("loss: " in rest or "grad norm: " in rest for rest in (row[-1] for row in rows)):
-            return None
-    if not rows:
-        return np.empty(0, dtype=np.int64), {}
+            continue
+        label = part[: part.rindex(field[0][1])].rstrip()  # as printed, spaces included: a literal is fastest
+        pattern += rf"{re.escape(label)}\s*([^\s|]+)\s*\|"
+        names.append(name)
+    rows = re.findall(pattern + r"[ \t]*$", segment, re.M)
+    if len(rows) != count:
+        return None
     cols = list(zip(*rows))
-    steps = np.fromiter(map(int, cols[0]), dtype=np.int64, count=len(rows))
-    return steps, {name: floats(col) for name, col in zip(names, cols[1:]) if name != "rest"}
+    try:
+        values = {name: floats(col) for name, col in zip(names, cols[1:])}
+    except ValueError:
+        return None
+    return np.fromiter(map(int, cols[0]), dtype=np.int64, count=len(rows)), values, columns
 
 
-def _extract_generic(segment: str, mtp_count: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Field by field, for lines whose fields come in an unexpected order (slow, rarely needed)."""
-    names = dict(_FIELD_NAMES, **{f"mtp_{k} loss": mtp_column(k) for k in range(1, mtp_count + 1)})
-    steps, values = [], {name: [] for name in names.values()}
-    for step, body in _GENERIC_RE.findall(segment):
-        fields = dict(part.strip().split(": ", 1) for part in body.split(" |") if ": " in part)
-        steps.append(int(step))
-        for label, name in names.items():
-            values[name].append(fields.get(label, "").strip())
-    return np.array(steps, dtype=np.int64), {name: floats(v) for name, v in values.items()}
+def _slow(segment: str, offset: int, text: str, notes: list[str],
+          unreadable: list[dict]) -> tuple[np.ndarray, dict[str, np.ndarray], _Columns]:
+    """Record by record: rank tags, wrapped records, any field order; names what cannot be read."""
+    records = []
+    for match in _RECORD_RE.finditer(segment):
+        body = match[3]
+        if not body.rstrip().endswith("|"):
+            end = segment.find("\n", match.end() + 1)
+            following = segment[match.end() + 1: end if end >= 0 else len(segment)]
+            continued = RANK_TAG_RE.sub("", following, count=1)
+            if "|" in continued and not ITERATION_RE.search(continued) and not _LINE_START_RE.match(continued):
+                body = body.rstrip() + " " + continued.strip()
+            else:
+                _unreadable(unreadable, text, offset + match.start(), "the record stops without its closing '|'")
+                continue
+        tag = RANK_TAG_RE.match(match[1])
+        records.append((offset + match.start(), int(match[2]), tag[1] if tag else "", split_fields(body)))
+    columns = _Columns({label for *_, fields in records for label, _ in fields})
+    steps, tags, rows = [], [], []
+    for at, step, tag, fields in records:
+        row, why = {}, None
+        for label, value in fields:
+            name = columns.names.get(label)
+            if name is None:
+                continue
+            try:
+                row[name] = float(value)
+            except ValueError:
+                why = f"{label} {value!r} is not a number"
+                break
+        if why is None and not row:
+            why = "no field could be read"
+        if why is not None:
+            _unreadable(unreadable, text, at, why)
+            continue
+        steps.append(step)
+        tags.append(tag)
+        rows.append(row)
+    keep = pick_rank(tags, np.ones(len(tags), dtype=bool), notes)
+    rows = [row for row, k in zip(rows, keep) if k]
+    names = dict.fromkeys(name for row in rows for name in row)
+    values = {name: np.array([row.get(name, NAN) for row in rows], dtype=np.float64) for name in names}
+    return np.array(steps, dtype=np.int64)[keep], values, columns
 
 
-def _correct_first_two(steps: np.ndarray, cols: dict[str, np.ndarray], corrections: list[dict]) -> None:
-    """Undo the core >= 0.16 mean over the first two logged lines of every process, in place."""
-    starts = [0, *(int(i) for i in np.flatnonzero(np.diff(steps) <= 0) + 1)]
+def _unreadable(unreadable: list[dict], text: str, at: int, why: str) -> None:
+    line, content = line_of(text, at)
+    unreadable.append({"line": line, "why": why, "text": content})
+
+
+def infer_log_interval(processes: list[np.ndarray]) -> int:
+    """The log interval: the most common step difference from each process's second line on (the
+    first line of a process may be off the interval), else the first difference, else 1."""
+    later = Counter(int(d) for steps in processes for d in np.diff(steps[1:]) if d > 0)
+    if later:
+        return later.most_common(1)[0][0]
+    first = [int(steps[1] - steps[0]) for steps in processes if len(steps) > 1 and steps[1] > steps[0]]
+    return min(first) if first else 1
+
+
+def _processes(steps: np.ndarray) -> list[slice]:
+    """Each run of increasing steps: a step that does not increase starts a new process (a restart)."""
+    starts = [0, *(int(i) for i in np.flatnonzero(np.diff(steps) <= 0) + 1), len(steps)]
+    return [slice(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def _second_lines(steps: np.ndarray, cols: dict[str, np.ndarray], log_interval: int,
+                  processes: list[slice]) -> list[dict]:
+    """For each process whose first line is on a boundary and whose second line is the next one:
+    both readings of the second line (as printed, and with the first line's iterations taken out)."""
     averaged = [name for name in cols if name.endswith("_loss") or name == "step_time_ms"]
-    for i in starts:
+    found = []
+    for part in processes:
+        i = part.start
         j = i + 1
-        if j >= len(steps) or j in starts:
+        if j >= part.stop:
             continue
         a, b = int(steps[i]), int(steps[j])
-        raw, fixed = {}, {}
+        if a % log_interval or b - a != log_interval:
+            continue
+        printed, undone = {}, {}
         for name in averaged:
             first, second = cols[name][i], cols[name][j]
             if np.isfinite(first) and np.isfinite(second):
-                raw[name] = float(second)
-                cols[name][j] = ((b - a + 1) * second - first) / (b - a)
-                fixed[name] = float(cols[name][j])
-        if raw:
-            corrections.append({"step": b, "first_step": a, "raw": raw, "corrected": fixed})
+                printed[name] = float(second)
+                undone[name] = ((b - a + 1) * second - first) / (b - a)
+        if printed:
+            found.append({"step": b, "first_step": a, "index": j, "as_printed": printed, "mean_undone": undone})
+    return found
 
 
 def _load_problems(path: Path, text: str) -> tuple[list[str], list[str]]:
@@ -177,58 +257,106 @@ def _load_problems(path: Path, text: str) -> tuple[list[str], list[str]]:
     return invalid, notes
 
 
-def parse_megatron_text(path: Path, text: str, core_version: str = "0.16.1", truncated: bool = False) -> pd.DataFrame:
-    """Parse the text of a Megatron log (``path`` only names it in messages and attrs)."""
+def _segments(text: str) -> list[tuple[int, str]]:
+    """The text cut at every process-start marker, with each piece's offset."""
+    bounds = []
+    for marker in _PROCESS_START_MARKERS:
+        at = text.find(marker)
+        while at >= 0:
+            bounds.append(at)
+            at = text.find(marker, at + 1)
+    bounds = sorted(bounds)
+    return [(lo, text[lo:hi]) for lo, hi in zip([0, *bounds], [*bounds, len(text)])]
+
+
+def parse_megatron_text(path: Path, text: str, core_version: str | None = "0.16.1", truncated: bool = False,
+                        log_interval: int | None = None) -> pd.DataFrame:
+    """Parse the text of a Megatron log (``path`` only names it in messages and attrs).
+
+    ``core_version`` None: unknown, the second line after a process start is read as printed and both
+    readings are left in ``attrs["iteration2"]``. ``log_interval`` None: inferred from the steps.
+    """
     path = Path(path)
-    mtp_count = _mtp_count(text)
-    boundaries = sorted(_find_all(text, _PROCESS_START_MARKERS))
-    segments = [text[lo:hi] for lo, hi in zip([0, *boundaries], [*boundaries, len(text)])]
-    steps_parts, col_parts, corrections = [], [], []
-    starts = 0
-    averages = megatron_averages_first_two(core_version)
-    for segment in segments:
-        extracted = _extract_fast(segment, mtp_count) or _extract_generic(segment, mtp_count)
-        steps, cols = extracted
-        if len(steps) == 0:
+    notes: list[str] = []
+    unreadable: list[dict] = []
+    steps_parts, col_parts, mtp_count, extras = [], [], 0, {}
+    for offset, segment in _segments(text):
+        count = len(ITERATION_RE.findall(segment))
+        if not count:
             continue
-        starts += 1 + int(np.count_nonzero(np.diff(steps) <= 0))
-        if averages:
-            _correct_first_two(steps, cols, corrections)
-        steps_parts.append(steps)
-        col_parts.append(cols)
+        steps, cols, columns = _fast(segment, count) or _slow(segment, offset, text, notes, unreadable)
+        mtp_count = max(mtp_count, columns.mtp_count)
+        extras.update(dict.fromkeys(columns.extras))
+        if len(steps):
+            steps_parts.append(steps)
+            col_parts.append(cols)
+    notes += unreadable_notes(path, "Megatron", unreadable)
     if not steps_parts:
-        raise LogFormatError(f"{path}: no Megatron iteration line found")
+        raise LogFormatError(f"{path}: no Megatron iteration line could be read")
     steps = np.concatenate(steps_parts)
     names = dict.fromkeys(name for cols in col_parts for name in cols)
-    columns = {name: np.concatenate([c.get(name, np.full(len(s), NAN)) for c, s in zip(col_parts, steps_parts)])
-               for name in names}
-    logged = [name for name, col in columns.items() if name != "step_time_ms" and not np.isnan(col).all()]
-    invalid, notes = _load_problems(path, text)
-    if starts > 1:
-        notes.append(f"the Megatron log holds {starts} process starts (restarts)")
+    cols = {name: np.concatenate([c.get(name, np.full(len(s), NAN)) for c, s in zip(col_parts, steps_parts)])
+            for name in names}
+    if "step_time_s" in cols:
+        seconds = cols.pop("step_time_s") * 1000.0
+        cols["step_time_ms"] = np.where(np.isnan(seconds), cols.get("step_time_ms", seconds), seconds)
+    processes = _processes_of(steps_parts)
+    interval = log_interval or infer_log_interval([steps[p] for p in processes])
+    keeps = megatron_keeps_first_line(core_version)
+    second = _second_lines(steps, cols, interval, processes) if keeps is not False else []
+    corrections, readings = [], []
+    for found in second:
+        j = found.pop("index")
+        if keeps:
+            for name, value in found["mean_undone"].items():
+                cols[name][j] = value
+            corrections.append({"step": found["step"], "first_step": found["first_step"],
+                                "raw": found["as_printed"], "corrected": found["mean_undone"]})
+        else:
+            readings.append(found)
+    logged = [name for name, col in cols.items() if name != "step_time_ms" and not np.isnan(col).all()]
+    invalid, load_notes = _load_problems(path, text)
+    notes += load_notes
+    if len(processes) > 1:
+        notes.append(f"the Megatron log holds {len(processes)} process starts (restarts)")
     if corrections:
         notes.append(
-            f"Megatron core {core_version} prints, on the second line after each process start, the mean over that "
-            f"interval and the first iteration; recovered the true values at step(s) "
+            f"Megatron core {core_version} keeps the first printed iteration of a process in its loss sums "
+            f"(cores 0.16-0.19, fixed upstream in 0.20 by PR #7092): recovered the true values at step(s) "
             f"{step_ranges(c['step'] for c in corrections)} (true = 2*printed(2) - printed(1) with log interval 1)")
+    if readings:
+        notes.append(
+            f"Megatron core version not given: step(s) {step_ranges(r['step'] for r in readings)} are read as printed; "
+            "cores 0.16-0.19 print there the mean with the line before, which the comparison tests against the other log")
     if truncated:
         notes.append(f"{path.name}: the last line was cut off and is ignored")
-    df = finish_frame(path, "megatron", steps, columns, mtp_count, logged,
-                      {"notes": notes, "invalid": invalid, "corrections": corrections,
-                       "lr_step_offset": 1, "core_version": core_version})
+    df = finish_frame(path, "megatron", steps, cols, mtp_count, logged,
+                      {"notes": notes, "invalid": invalid, "corrections": corrections, "unreadable": unreadable,
+                       "lr_step_offset": 1, "core_version": core_version, "log_interval": interval,
+                       "iteration2": readings}, extras=list(extras))
     for name in logged:
         if name.endswith("_loss"):
             missing = df["step"][df[name].isna()]
             if len(missing):
                 df.attrs["notes"].append(
                     f"Megatron printed no {name.replace('_', ' ')} at step(s) {step_ranges(missing)}: it omits a loss "
-                    "whose average is NaN (or not positive before core 0.17), read as NaN")
+                    "whose average is NaN (or not positive before core 0.17), or every iteration of the interval "
+                    "was skipped; read as NaN")
     return df
 
 
-def parse_megatron_log(path: Path, core_version: str = "0.16.1") -> pd.DataFrame:
+def _processes_of(steps_parts: list[np.ndarray]) -> list[slice]:
+    """Process runs over the concatenated steps: each segment, cut again where the steps go back."""
+    out, base = [], 0
+    for steps in steps_parts:
+        out += [slice(p.start + base, p.stop + base) for p in _processes(steps)]
+        base += len(steps)
+    return out
+
+
+def parse_megatron_log(path: Path, core_version: str | None = "0.16.1", log_interval: int | None = None) -> pd.DataFrame:
     """Parse a Megatron log file (see module docstring for the columns and attrs)."""
     text, truncated = read_log_text(Path(path))
-    if "] iteration " not in text or not ITERATION_RE.search(text):
+    if "iteration" not in text or not ITERATION_RE.search(text):
         raise LogFormatError(f"{path}: no Megatron iteration line found")
-    return parse_megatron_text(Path(path), text, core_version, truncated)
+    return parse_megatron_text(Path(path), text, core_version, truncated, log_interval)

@@ -1,19 +1,29 @@
 """Parse a MindFormers training log, pynative (``LossCallback``) or graph mode (``MFLossMonitor``).
 
-The logger prefix (stdout ``<time> - mindformers<dir>[<file:line>] - INFO - `` or the file
-handler's ``[INFO] <time> [<file:line>] <func>: ``) does not matter: the regex starts at the
-message. What each format means (SPEC section 7, reference/mindformers.md 1b-1c):
+A record is the part of a line from ``step:[ N/ M]`` (graph mode: from ``Epoch:[ E/ T], step:[ N/ M]``)
+to the line end, fields separated by ``, ``. The logger prefix does not matter (stdout ``<time> -
+mindformers<dir>[<file:line>] - INFO - ``, the file handler's ``[INFO] <time> [<file:line>] <func>: ``,
+the older ``<time> - mindformers - INFO - `` or none). What each format means (SPEC section 7,
+reference/mindformers.md 1b-1c):
 
 - pynative: ``loss`` is the lm loss, ``mtp_k_loss`` unscaled, ``load_balancing_loss`` the mean
   unscaled aux loss per MoE layer, ``lr`` the lr of the *next* step (``lr_step_offset`` 1); a
-  non-last pipeline stage prints ``loss: N/A (...)`` and is skipped;
+  non-last pipeline stage prints ``loss: N/A (...)`` and is skipped. MindFormers master prints
+  ``consumed_samples`` and ``global_batch_size`` after the step; the release branches r1.9.0 and
+  r2.0.0 do not (``mindformers/pynative/callback/loss_callback.py::_print_log``);
 - graph: ``loss`` is the TOTAL (lm + aux + scaled mtp); ``lm_loss`` is printed only for MoE or
   MTP models (otherwise the total is all there is, and for such a dense model it equals the lm
   loss); ``mtp_loss`` is already multiplied by mtp_loss_scaling_factor / mtp_num_layers; ``lr``
-  is the applied one (``lr_step_offset`` 0); global step = (epoch-1)*steps_per_epoch + step.
+  is the applied one (``lr_step_offset`` 0); global step = (epoch-1)*steps_per_epoch + step. Older
+  releases print ``loss:[2.244/2.244], time:507844.205 ms, lr:[0.]`` without braces; with sink mode the
+  steps advance by the sink size. ``global_norm`` is printed as numpy prints it, sometimes malformed
+  (``[1 31049]``, or without its colon): then the grad norm of that step is unknown, and a note says so.
 
-Several ranks in one file: with ``[rankN]:`` prefixes the highest rank that printed a loss is
-used (the last pipeline stage; data-parallel ranks print the same all-reduced value).
+Other losses (``indexer_loss``) are kept as extra columns. Lines that are not records (the progress
+bar ending in ``}``, ``epoch_end ... avg loss``, ``Per sink_size step time``) are not read.
+
+Several ranks in one file: with rank tags the highest rank that printed a loss is used (the last
+pipeline stage; data-parallel ranks print the same all-reduced value).
 """
 
 from __future__ import annotations
@@ -24,175 +34,199 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from crossalign.logs.common import LogFormatError, finish_frame, floats, mtp_column, read_log_text
+from crossalign.logs.common import (
+    NAN, RANK_TAG_RE, LogFormatError, finish_frame, floats, line_of, loss_column, mtp_column, pick_rank,
+    read_log_text, unreadable_notes,
+)
 
-PYNATIVE_RE = re.compile(r"\{ step:\[\s*\d+/\s*\d+\], consumed_samples:")
-GRAPH_RE = re.compile(r"\{ Epoch:\[\s*\d+/\s*\d+\], step:\[\s*\d+/\s*\d+\], loss:")
-_RANK_PREFIX_RE = re.compile(r"^\[(?:rank|default)\d+\]:", re.M)
-_RANK = r"^(?:\[(?:rank|default)(\d+)\]:)?[^\n]*?"
-_VALUE = r"([^,\s]+)"
+STEP_MARK = "step:["
+PYNATIVE_RE = re.compile(r"(?<!\], )step:\[\s*\d+\s*/\s*\d+\s*\], (?:consumed_samples|loss)\b")
+GRAPH_RE = re.compile(r"Epoch:\[\s*\d+\s*/\s*\d+\s*\], step:\[\s*\d+\s*/\s*\d+\s*\], loss")
+_RECORD_RE = re.compile(r"^([^\n]*?)(?:Epoch:\[\s*(\d+)\s*/\s*(\d+)\s*\],\s*)?step:\[\s*(\d+)\s*/\s*(\d+)\s*\]([^\n]*)$",
+                        re.M)
+_FIELD_RE = re.compile(r"\s*([A-Za-z_][\w ]*?)\s*(?::\s*|\s+(?=\[))(.*)$", re.S)
+_NUMBER_RE = re.compile(r"\[?\s*([^\s/\]\[]+?)\s*(?:/[^\]]*)?\]?\s*(?:ms|T)?$")
 _NA = "N/A"
 
 
-def _pynative_regex(mtp_count: int, ranked: bool) -> re.Pattern:
-    pattern = (
-        (_RANK if ranked else "")
-        + r"\{ step:\[\s*(\d+)/\s*\d+\], consumed_samples: \d+, global_batch_size: \d+, "
-        + r"loss:\s*(N/A(?: \([^)\n]*\))?|[^,\s]+), per_step_time:\s*(\d+)ms"
-        + rf"(?:, load_balancing_loss:\s*{_VALUE})?(?:, indexer_loss:\s*[^,\s]+)?"
-        + "".join(rf"(?:, mtp_{k}_loss:\s*{_VALUE})?" for k in range(1, mtp_count + 1))
-        + rf"(?:, lr:\s*{_VALUE})?(?:, grad_norm:\s*{_VALUE})?"
-        + r"([^\n]*)"
-    )
-    return re.compile(pattern, re.M)
-
-
-def _graph_regex(ranked: bool) -> re.Pattern:
-    pattern = (
-        (_RANK if ranked else "")
-        + r"\{ Epoch:\[\s*(\d+)/\s*\d+\], step:\[\s*(\d+)/\s*(\d+)\], "
-        + r"loss:\s*\[?([^,\s/\]]+)(?:/[^\]\n]*\])?, "
-        + rf"(?:lm_loss:\s*{_VALUE}, )?(?:load_balancing_loss:\s*{_VALUE}, )?(?:mtp_loss:\s*{_VALUE}, )?"
-        + r"(?:indexer_loss:\s*[^,\s]+, )?per_step_time:\s*(\d+)ms, "
-        + r"(?:lr:\s*\[?([^,\s\]]+)\]?, )?overflow cond:\s*\w+, loss_scale:\s*[^,\s]+, "
-        + r"global_norm:\s*\[?([^,\s\]]+)\]?"
-        + r"([^\n]*)"
-    )
-    return re.compile(pattern, re.M)
-
-
-def _has_rank_prefixes(text: str, mark: str) -> bool:
-    """Whether the step lines carry ``[rankN]:`` prefixes, judged by the first one (no full scan)."""
-    at = text.find(mark)
-    line_start = text.rfind("\n", 0, at) + 1
-    return bool(_RANK_PREFIX_RE.match(text, line_start))
-
-
-def _mtp_count(text: str) -> int:
-    k = 0
-    while f" mtp_{k + 1}_loss: " in text:
-        k += 1
-    return k
-
-
-def _pick_rank(ranks: tuple[str, ...], usable: np.ndarray, notes: list[str]) -> np.ndarray:
-    """Rows of the highest rank that printed a loss (the last pipeline stage)."""
-    ids = np.array([int(r) if r else -1 for r in ranks])
-    candidates = sorted(set(ids[usable].tolist()))
-    if len(candidates) <= 1:
-        return usable
-    chosen = candidates[-1]
-    notes.append(f"{len(candidates)} ranks logged steps in this file; rank {chosen} "
-                 "(the highest that printed a loss: the last pipeline stage) is used")
-    return usable & (ids == chosen)
-
-
-def _first_line_regex(text: str, mtp_count: int) -> tuple[re.Pattern, list[str]] | None:
-    """A strict regex for lines laid out exactly like the first step line (the common case, faster than
-    the general one), and the columns its groups capture; None when that line is a non-last stage's."""
-    match = _pynative_regex(mtp_count, False).search(text)
-    if match is None or match[2].startswith(_NA):
-        return None
-    start, end = match.span()
-    fields = text[text.index("], ", start) + 3: end].split(", ")
-    wanted = {"loss": "lm_loss", "load_balancing_loss": "aux_loss", "lr": "lr", "grad_norm": "grad_norm",
-              **{f"mtp_{k}_loss": mtp_column(k) for k in range(1, mtp_count + 1)}}
-    pattern, names = r"\{ step:\[\s*(\d+)/\s*\d+\]", []
+def split_fields(body: str) -> list[tuple[str, str]]:
+    """``", loss:[2.2/2.2], time:5.1 ms, lr:[0.]"`` -> ``[("loss", "[2.2/2.2]"), ("time", "5.1 ms"), ...]``:
+    commas inside brackets or parentheses do not separate fields; a trailing ``}`` is not a value."""
+    fields, depth, start = [], 0, 0
+    body = body.rstrip().removesuffix("}")
+    for i, char in enumerate(body):
+        if char in "[(":
+            depth += 1
+        elif char in "])":
+            depth = max(0, depth - 1)
+        elif char == "," and depth == 0:
+            fields.append(body[start:i])
+            start = i + 1
+    fields.append(body[start:])
+    out = []
     for field in fields:
-        label = field.split(":", 1)[0]
-        if label == "per_step_time":
-            pattern += r", per_step_time:\s*(\d+)ms"
-            names.append("step_time_ms")
-        elif label in wanted:
-            pattern += rf", {label}:\s*([^,\s]+)"
-            names.append(wanted[label])
+        match = _FIELD_RE.match(field)
+        if match:
+            out.append((" ".join(match[1].split()), match[2].strip()))
+    return out
+
+
+def number(value: str) -> float:
+    """A printed value -> float: ``[2.244/2.244]`` -> 2.244, ``1500ms`` -> 1500, ``[0.]`` -> 0.0;
+    ValueError when it is not one number (``[1 31049]``)."""
+    match = _NUMBER_RE.match(value)
+    if match is None:
+        raise ValueError(value)
+    return float(match[1])
+
+
+def _names(labels: set[str], graph: bool) -> tuple[dict[str, str], int, list[str]]:
+    """Column of each label (decided by name), the MTP count and the extra-loss columns."""
+    names, extras = {}, []
+    mtp = [int(m[1]) for m in map(re.compile(r"mtp_(\d+)_loss$").match, labels) if m]
+    fixed = {"load_balancing_loss": "aux_loss", "lr": "lr", "per_step_time": "step_time_ms", "time": "step_time_ms",
+             "grad_norm": "grad_norm", "global_norm": "grad_norm"}
+    fixed.update({"loss": "total_loss", "lm_loss": "lm_loss", "mtp_loss": "mtp_scaled"} if graph else {"loss": "lm_loss"})
+    for label in sorted(labels):
+        if label in fixed:
+            names[label] = fixed[label]
+        elif re.fullmatch(r"mtp_\d+_loss", label):
+            names[label] = label
+        elif label.endswith("loss"):
+            names[label] = loss_column(label)
+            extras.append(names[label])
+    return names, max(mtp, default=0), extras
+
+
+def _fast(text: str, count: int) -> tuple[np.ndarray, dict[str, np.ndarray], list[str]] | None:
+    """Pynative only: one regex laid out like the first record and anchored at the line end; None
+    unless every record matched it (then the record-by-record path reads them)."""
+    first = _RECORD_RE.search(text)
+    if first is None or first[2] is not None or RANK_TAG_RE.match(first[1]):
+        return None
+    if "]:" in text and re.search(r"^\s*\[[^\]\s]+\]:[^\n]*?step:\[", text, re.M):
+        return None
+    fields = split_fields(first[6].removeprefix(","))
+    names, _, _ = _names({label for label, _ in fields}, graph=False)
+    if "lm_loss" not in {names.get(label) for label, _ in fields}:
+        return None
+    pattern, columns = r"step:\[\s*(\d+)\s*/\s*\d+\s*\]", []
+    for label, value in fields:
+        name = names.get(label)
+        if name is None:
+            pattern += r",[^,\n]*"
+        elif name == "step_time_ms":
+            pattern += rf", {re.escape(label)}:\s*(\d+)ms"
+            columns.append(name)
+        elif value.startswith(_NA):
+            return None
         else:
-            pattern += r", [^,\n]*"
-    return re.compile(pattern), names
-
-
-def _rows(text: str, mtp_count: int, ranked: bool) -> tuple[list[tuple[str, ...]], list[str]]:
-    """The captured fields of every step line (rank first when ranked) and the column of each group."""
-    general = ["lm_loss", "step_time_ms", "aux_loss", *(mtp_column(k) for k in range(1, mtp_count + 1)),
-               "lr", "grad_norm", "rest"]
-    strict = None if ranked else _first_line_regex(text, mtp_count)
-    if strict is not None:
-        rows = strict[0].findall(text)
-        if len(rows) == text.count("{ step:["):
-            return rows, strict[1]
-    return _pynative_regex(mtp_count, ranked).findall(text), general
-
-
-def _parse_pynative(path: Path, text: str, notes: list[str]) -> tuple[np.ndarray, dict, int, list[str]]:
-    mtp_count = _mtp_count(text)
-    ranked = _has_rank_prefixes(text, "{ step:[")
-    rows, names = _rows(text, mtp_count, ranked)
-    if not rows:
-        raise LogFormatError(f"{path}: no MindFormers pynative step line could be read")
+            pattern += rf", {re.escape(label)}:\s*([^,\s]+)"
+            columns.append(name)
+    rows = re.findall(pattern + r"\s*\}?[ \t]*$", text, re.M)
+    if len(rows) != count:
+        return None
     cols = list(zip(*rows))
-    if ranked:
-        ranks, cols = cols[0], cols[1:]
-    if names[-1] == "rest":
-        if any("loss: " in rest or "lr: " in rest or "grad_norm: " in rest for rest in cols[-1]):
-            raise LogFormatError(f"{path}: a MindFormers pynative step line has its fields in an unknown order")
-        names, cols = names[:-1], cols[:-1]
-    loss = cols[1 + names.index("lm_loss")]
-    usable = np.fromiter((not v.startswith(_NA) for v in loss), dtype=bool, count=len(rows))
-    if ranked:
-        usable = _pick_rank(ranks, usable, notes)
-    if not usable.any():
+    try:
+        values = {name: floats(col) for name, col in zip(columns, cols[1:])}
+    except ValueError:
+        return None
+    return np.fromiter(map(int, cols[0]), dtype=np.int64, count=len(rows)), values, columns
+
+
+def _records(text: str, unreadable: list[dict]) -> list[tuple[int, str, int | None, int, int, list]]:
+    """(offset, rank tag, epoch, step, steps per epoch, fields) of every record line; a line that holds
+    ``step:[`` without a readable step is named in ``unreadable``."""
+    records, covered = [], set()
+    for match in _RECORD_RE.finditer(text):
+        tag = RANK_TAG_RE.match(match[1])
+        epoch = int(match[2]) if match[2] is not None else None
+        records.append((match.start(), tag[1] if tag else "", epoch, int(match[4]), int(match[5]),
+                        split_fields(match[6].removeprefix(","))))
+        covered.add(text.rfind("\n", 0, match.start()) + 1)
+    if len(records) != text.count(STEP_MARK):
+        at = text.find(STEP_MARK)
+        while at >= 0:
+            start = text.rfind("\n", 0, at) + 1
+            if start not in covered:
+                covered.add(start)
+                line, content = line_of(text, at)
+                unreadable.append({"line": line, "why": "its step:[N/M] cannot be read", "text": content})
+            at = text.find(STEP_MARK, at + 1)
+    return records
+
+
+def _slow(path: Path, text: str, graph: bool, notes: list[str], attrs: dict,
+          unreadable: list[dict]) -> tuple[np.ndarray, dict[str, np.ndarray], list[str]]:
+    """Record by record: any prefix, field order, bracket and unit; rows of one rank."""
+    records = [r for r in _records(text, unreadable) if (r[2] is not None) == graph]
+    names, _, _ = _names({label for *_, fields in records for label, _ in fields}, graph)
+    steps, tags, rows, usable, malformed = [], [], [], [], []
+    for at, tag, epoch, step, per_epoch, fields in records:
+        row, why, stage = {}, None, True
+        for label, value in fields:
+            name = names.get(label)
+            if name is None:
+                continue
+            if label == "loss" and value.startswith(_NA):
+                stage = False
+                continue
+            try:
+                row[name] = number(value)
+            except ValueError:
+                if name in ("grad_norm", "lr", "step_time_ms"):
+                    malformed.append(f"{label} {value!r} at step {step}")
+                else:
+                    why = f"{label} {value!r} is not a number"
+        loss = "total_loss" if graph else "lm_loss"
+        if why is None and stage and loss not in row:
+            why = "it holds no loss"
+        if why is not None:
+            line, content = line_of(text, at)
+            unreadable.append({"line": line, "why": why, "text": content})
+            continue
+        steps.append(step if epoch is None else (epoch - 1) * per_epoch + step)
+        tags.append(tag)
+        rows.append(row)
+        usable.append(stage)
+    if malformed:
+        notes.append(f"values printed in a form that is not a number, read as unknown: {'; '.join(malformed[:5])}"
+                     + (f" and {len(malformed) - 5} more" if len(malformed) > 5 else ""))
+    usable = np.array(usable, dtype=bool)
+    if len(usable) and not usable.any():
         raise LogFormatError(f"{path}: every step line says 'loss: N/A' (a non-last pipeline stage); "
                              "compare the log of the last stage")
-    if not usable.all():
+    keep = pick_rank(tags, usable, notes)
+    if not keep.all() and len(keep):
         notes.append("lines of non-last pipeline stages ('loss: N/A') or of other ranks are skipped")
-        keep = np.flatnonzero(usable)
-        cols = [[col[i] for i in keep] for col in cols]
-    steps = np.fromiter(map(int, cols[0]), dtype=np.int64, count=len(cols[0]))
-    columns = {name: floats(col) for name, col in zip(names, cols[1:])}
-    logged = [name for name, col in zip(names, cols[1:]) if name != "step_time_ms" and any(col)]
-    return steps, columns, mtp_count, logged
+    rows = [row for row, k in zip(rows, keep) if k]
+    columns = list(dict.fromkeys(name for row in rows for name in row))
+    values = {name: np.array([row.get(name, NAN) for row in rows], dtype=np.float64) for name in columns}
+    return np.array(steps, dtype=np.int64)[keep], values, columns
 
 
-def _parse_graph(path: Path, text: str, notes: list[str], attrs: dict,
-                 mtp_loss_scaling_factor: float | None) -> tuple[np.ndarray, dict, int, list[str]]:
-    ranked = _has_rank_prefixes(text, "{ Epoch:[")
-    rows = _graph_regex(ranked).findall(text)
-    if not rows:
-        raise LogFormatError(f"{path}: no MindFormers graph-mode step line could be read")
-    cols = list(zip(*rows))
-    if ranked:
-        ranks, cols = cols[0], cols[1:]
-        keep = np.flatnonzero(_pick_rank(ranks, np.ones(len(rows), dtype=bool), notes))
-        cols = [[col[i] for i in keep] for col in cols]
-    epoch, step, per_epoch = (np.array(c, dtype=np.int64) for c in cols[:3])
-    steps = (epoch - 1) * per_epoch + step
-    total, lm, aux, mtp, step_time, lr, norm = (floats(c) for c in cols[3:10])
-    columns = {"aux_loss": aux, "lr": lr, "grad_norm": norm, "step_time_ms": step_time}
-    logged = ["lr"] if any(cols[8]) else []
-    logged += ["grad_norm"]
-    if any(cols[4]):
-        columns["lm_loss"] = lm
+def _graph_columns(values: dict[str, np.ndarray], notes: list[str], attrs: dict,
+                   mtp_loss_scaling_factor: float | None) -> int:
+    """Turn graph mode's total and scaled MTP loss into comparable columns; returns the MTP count."""
+    total = values.pop("total_loss")
+    if "lm_loss" in values and not np.isnan(values["lm_loss"]).all():
         notes.append("graph mode: 'loss' is the total (lm + aux + scaled mtp); its lm_loss is compared")
     else:
-        columns["lm_loss"] = total
+        values["lm_loss"] = total
         attrs["loss_is_total"] = True
         notes.append("graph mode printed only the total 'loss' (lm_loss is printed only for MoE or MTP models); "
                      "it is compared as the lm loss, which it equals for a dense model without MTP")
-    logged.append("lm_loss")
-    if any(cols[5]):
-        logged.append("aux_loss")
-    mtp_count = 0
-    if any(cols[6]):
-        if mtp_loss_scaling_factor:
-            columns[mtp_column(1)] = mtp / mtp_loss_scaling_factor
-            logged.append(mtp_column(1))
-            mtp_count = 1
-            notes.append(f"graph mode: mtp_loss is scaled; divided by mtp_loss_scaling_factor "
-                         f"{mtp_loss_scaling_factor:g} (one MTP layer) to compare it as mtp_1_loss")
-        else:
-            attrs["unusable"] = {mtp_column(1): "graph-mode mtp_loss is already multiplied by "
-                                 "mtp_loss_scaling_factor / mtp_num_layers: give the factor to compare it"}
-    return steps, columns, mtp_count, logged
+    scaled = values.pop("mtp_scaled", None)
+    if scaled is None or np.isnan(scaled).all():
+        return 0
+    if mtp_loss_scaling_factor:
+        values[mtp_column(1)] = scaled / mtp_loss_scaling_factor
+        notes.append(f"graph mode: mtp_loss is scaled; divided by mtp_loss_scaling_factor "
+                     f"{mtp_loss_scaling_factor:g} (one MTP layer) to compare it as mtp_1_loss")
+        return 1
+    attrs["unusable"] = {mtp_column(1): "graph-mode mtp_loss is already multiplied by "
+                         "mtp_loss_scaling_factor / mtp_num_layers: give the factor to compare it"}
+    return 0
 
 
 def parse_mindformers_text(path: Path, text: str, mtp_loss_scaling_factor: float | None = None,
@@ -202,18 +236,28 @@ def parse_mindformers_text(path: Path, text: str, mtp_loss_scaling_factor: float
     path = Path(path)
     notes: list[str] = []
     attrs: dict = {}
-    if fmt == "mindformers-pynative" or (fmt is None and "{ step:[" in text and PYNATIVE_RE.search(text)):
-        fmt, offset = "mindformers-pynative", 1
-        steps, columns, mtp_count, logged = _parse_pynative(path, text, notes)
-    elif fmt == "mindformers-graph" or (fmt is None and "{ Epoch:[" in text and GRAPH_RE.search(text)):
-        fmt, offset = "mindformers-graph", 0
-        steps, columns, mtp_count, logged = _parse_graph(path, text, notes, attrs, mtp_loss_scaling_factor)
-    else:
-        raise LogFormatError(f"{path}: no MindFormers step line ('{{ step:[' or '{{ Epoch:[') found")
+    unreadable: list[dict] = []
+    if fmt is None:
+        fmt = ("mindformers-graph" if GRAPH_RE.search(text) else
+               "mindformers-pynative" if STEP_MARK in text else None)
+    if fmt not in ("mindformers-pynative", "mindformers-graph"):
+        raise LogFormatError(f"{path}: no MindFormers step line ('step:[' or 'Epoch:[') found")
+    graph = fmt == "mindformers-graph"
+    fast = None if graph else _fast(text, text.count(STEP_MARK))
+    steps, values, columns = fast or _slow(path, text, graph, notes, attrs, unreadable)
+    notes += unreadable_notes(path, "MindFormers", unreadable)
+    if not len(steps):
+        raise LogFormatError(f"{path}: no MindFormers {'graph-mode' if graph else 'pynative'} step line could be read")
+    mtp_count = max((int(c.split("_")[1]) for c in columns if re.fullmatch(r"mtp_\d+_loss", c)), default=0)
+    if graph:
+        mtp_count = _graph_columns(values, notes, attrs, mtp_loss_scaling_factor)
+    extras = [c for c in values if c.endswith("_loss") and c not in ("lm_loss", "aux_loss")
+              and not re.fullmatch(r"mtp_\d+_loss", c)]
+    logged = [name for name, col in values.items() if name != "step_time_ms" and not np.isnan(col).all()]
     if truncated:
         notes.append(f"{path.name}: the last line was cut off and is ignored")
-    attrs.update({"notes": notes, "lr_step_offset": offset})
-    return finish_frame(path, fmt, steps, columns, mtp_count, logged, attrs)
+    attrs.update({"notes": notes, "lr_step_offset": 0 if graph else 1, "unreadable": unreadable})
+    return finish_frame(path, fmt, steps, values, mtp_count, logged, attrs, extras=extras)
 
 
 def parse_mindformers_log(path: Path, mtp_loss_scaling_factor: float | None = None) -> pd.DataFrame:

@@ -2,9 +2,9 @@
 
 For the tests and the benchmark of the comparison, which need logs with known numbers (an
 offset, a spike, a NaN, a missing MTP series), and as the reference of how each framework turns
-per-step values into log lines: Megatron prints the *next* step's lr and, from core 0.16, the
-mean of the first two iterations on its second line; MindFormers pynative prints the next
-step's lr, graph mode the applied one and a total loss.
+per-step values into log lines: Megatron prints the *next* step's lr and, on cores 0.16-0.19 with
+log interval 1, the mean of the first two iterations on its second line; MindFormers pynative
+prints the next step's lr, graph mode the applied one and a total loss.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 
 from crossalign.logs.formats import (
     MINDFORMERS_GRAPH_PROGRESS_SOURCE, MINDFORMERS_GRAPH_SOURCE, MINDFORMERS_PYNATIVE_SOURCE, graph_lines,
-    megatron_averages_first_two, megatron_line, mindformers_prefix, pynative_line,
+    megatron_line, megatron_prints_first_iteration, megatron_resets_after_first_line, mindformers_prefix,
+    pynative_line,
 )
 
 _START = datetime(2026, 3, 20, 10, 11, 12, 345678)
@@ -33,14 +34,15 @@ def megatron_lines(lm: Sequence[float], *, mtp: Sequence[Sequence[float]] = (), 
     n = len(lm)
     lr_applied = lr_applied if lr_applied is not None else [1e-5] * n
     train_iters = train_iters or first_step + n - 1
-    keep_first = megatron_averages_first_two(core_version)
+    print_first = megatron_prints_first_iteration(core_version)
+    reset_first = megatron_resets_after_first_line(core_version, first_step, log_interval)
     series = {"lm loss": lm, **({"load_balancing_loss": aux} if aux is not None else {}),
               **{f"mtp_{k} loss": values for k, values in enumerate(mtp, start=1)}}
     lines, window = [], []
     for i in range(n):
         step = first_step + i
         window.append(i)
-        first = i == 0
+        first = i == 0 and print_first
         if not (first or step % log_interval == 0):
             continue
         losses = {key: sum(values[j] for j in window) / len(window) for key, values in series.items()}
@@ -48,7 +50,7 @@ def megatron_lines(lm: Sequence[float], *, mtp: Sequence[Sequence[float]] = (), 
                                    elapsed_ms=1000.0 + i % 7, learning_rate=_next_lr(lr_applied, i),
                                    global_batch_size=global_batch_size, losses=losses, grad_norm=3.0 + 0.001 * i,
                                    core_version=core_version, timestamp=_START + timedelta(seconds=i)))
-        if not (first and keep_first):
+        if not first or reset_first:
             window = []
     return lines
 
