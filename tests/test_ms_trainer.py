@@ -121,14 +121,16 @@ def test_base_run_saves_a_checkpoint_2_0(repeated_run):
     common = json.loads((request.checkpoint_dir / "iteration_00000006" / "common.json").read_text())
     assert common == {"epoch_num": 1, "step_num": 6, "global_step": 6, "loss_scale": 1.0, "global_batch_size": 4,
                       "consumed_samples": 24, "ckpt_status": None}
+    # file names and optimizer entries as MindFormers 2.1.0's pynative CheckpointCallback writes them
+    assert sorted(p.name for p in (request.checkpoint_dir / "iteration_00000006").iterdir()) == [
+        "common.json", "qwen35-model-0000000-0000001.safetensors", "qwen35-opt-0000000-0000001.safetensors"]
     checkpoint = read_mindformers_checkpoint(request.checkpoint_dir)
     model = checkpoint.model_state()
     optimizer = checkpoint.optimizer_state()
     assert all(t.dtype == torch.float32 for t in model.values())
-    assert set(optimizer) == ({f"adam_m.{n}" for n in model} | {f"adam_v.{n}" for n in model}
-                              | {"learning_rate", "global_step"})
-    assert optimizer["global_step"].tolist() == [6]
-    assert float(optimizer["learning_rate"]) == pytest.approx(config.training.lr)
+    assert checkpoint.buffer_entries() == {}  # dense: no MoE buffers
+    assert set(optimizer) == {f"adam_m.{n}" for n in model} | {f"adam_v.{n}" for n in model} | {"global_step"}
+    assert optimizer["global_step"].dtype == torch.int64 and optimizer["global_step"].tolist() == [6]
     assert float(optimizer["adam_v.output_layer.weight"].abs().max()) > 0
 
 
@@ -166,11 +168,20 @@ def test_align_from_a_base_checkpoint_continues_where_it_stopped(tmp_path):
     assert float(_lines(from_bf16.log_path)[0]["loss"]) == pytest.approx(step3, abs=5e-3)
 
 
-def test_moe_logs_the_mean_unscaled_load_balancing_loss(tmp_path):
+def test_moe_logs_the_mean_unscaled_load_balancing_loss_and_saves_the_token_counts(tmp_path):
     config = _config("qwen35_moe_tiny", base_train_iters=1)
-    match = _lines(train_on_batches(_request(config, tmp_path, "moe"), _batches(config, 1)).log_path)[0]
+    result = train_on_batches(_request(config, tmp_path, "moe"), _batches(config, 1))
+    match = _lines(result.log_path)[0]
     # a balanced router gives about 1.0 per layer; the coefficient (0.001) is divided out
     assert 0.9 < float(match["lbl"]) < 1.5
+    # every MoE layer, the MTP one too, saves mlp.tokens_per_expert: one forward of 4 x 32 tokens, top-2
+    buffers = read_mindformers_checkpoint(result.checkpoint_dir).buffer_state()
+    m = config.model
+    assert sorted(buffers) == sorted([f"decoder.layers.{i}.mlp.tokens_per_expert" for i in range(m.num_layers)]
+                                     + ["mtp.layers.0.transformer_layer.mlp.tokens_per_expert"])
+    for counts in buffers.values():
+        assert counts.dtype == torch.float32 and counts.shape == (m.num_experts,)
+        assert float(counts.sum()) == 4 * 32 * m.moe_router_topk and bool((counts > 0).all())
 
 
 def test_align_without_a_checkpoint_is_refused(tmp_path):

@@ -27,7 +27,7 @@ from crossalign.checkpoint.atomic import check_output_dir
 from crossalign.checkpoint.blocks import ReusedBuffer, one_thread
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.faults import inject_fault
-from crossalign.checkpoint.layout import check_expert_form, megatron_shapes, mindformers_shapes
+from crossalign.checkpoint.layout import check_expert_form, megatron_shapes, mindformers_buffers, mindformers_shapes
 from crossalign.checkpoint.megatron import read_megatron_checkpoint, stream_megatron_checkpoint
 from crossalign.checkpoint.mismatch import key_mismatches
 from crossalign.checkpoint.mindformers import (
@@ -36,7 +36,7 @@ from crossalign.checkpoint.mindformers import (
     read_mindformers_checkpoint,
     write_mindformers_checkpoint,
 )
-from crossalign.checkpoint.reshard import check_parallel_sizes
+from crossalign.checkpoint.reshard import check_parallel_sizes, mindformers_split_dim
 from crossalign.checkpoint.rules import PlacedRule, conversion_plan
 from crossalign.checkpoint.safetensors_io import DTYPES as STORED_DTYPES
 from crossalign.checkpoint.safetensors_io import TensorInfo
@@ -68,6 +68,7 @@ class ConvertReport:
     dtype: str = "fp32"
     fault: str | None = None
     output_validated: bool = True
+    notes: list[str] = field(default_factory=list)  # what was left out or added, and why
 
 
 def check_state(shapes: Shapes, expected: Shapes, what: str,
@@ -222,6 +223,28 @@ def _forward_specs(plan: list[PlacedRule], entries: Mapping[str, TensorInfo], mo
     return specs
 
 
+def _left_out_buffers(source: MindFormersCheckpoint, model: ModelConfig) -> list[str]:
+    """The input's buffers, each checked against the model's by name and shape: Megatron keeps none of them."""
+    shapes = {name: info.shape for name, info in source.buffer_entries().items()}
+    expected = mindformers_buffers(model)
+    check_state(shapes, {name: shape for name, shape in expected.items() if name in shapes},
+                f"MindFormers checkpoint {source.directory}: buffers do not match model {model.name}")
+    if not shapes:
+        return []
+    note = (f"left out {len(shapes)} buffer(s) that Megatron does not keep (mlp.tokens_per_expert: MindFormers' "
+            "count of the tokens routed to each expert)")
+    log.info(note)
+    return [note]
+
+
+def _fresh_buffers(model: ModelConfig) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The buffers MindFormers' model saves, as its reset leaves them (zeros): Megatron's checkpoint has no counts."""
+    buffers = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in mindformers_buffers(model).items()}
+    notes = [f"added {len(buffers)} buffer(s) mlp.tokens_per_expert as zeros, as MindFormers' MoE layer starts "
+             "them (Megatron does not save its token counts)"] if buffers else []
+    return buffers, notes
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -232,10 +255,13 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                        progress: Progress | None = None) -> ConvertReport:
     """Convert a checkpoint folder into a new folder (which must not exist or be empty).
 
-    ms2mg reads a MindFormers checkpoint tensor by tensor and writes a Megatron legacy
-    checkpoint resharded to tp x pp; mg2ms merges a Megatron checkpoint and writes a
-    single-rank MindFormers checkpoint whose common.json records the Megatron iteration (and
-    ``global_batch_size`` with the samples consumed, when given).
+    ms2mg reads a MindFormers checkpoint (one rank's, or several ranks' slices stitched by
+    their metadata.json) tensor by tensor, leaves out its optimizer state and buffers, and
+    writes a Megatron legacy checkpoint resharded to tp x pp; mg2ms merges a Megatron
+    checkpoint and writes a MindFormers checkpoint as ``tp`` ranks save it (one file per rank
+    and metadata.json when tp > 1), with the buffers of MindFormers' MoE layers, and whose
+    common.json records the Megatron iteration (and ``global_batch_size`` with the samples
+    consumed, when given).
     ``dtype`` casts floating tensors (fp32, as the source converter does, bf16, or keep).
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
@@ -252,8 +278,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_expert_form(experts)
     check_parallel_sizes(model, tp, pp)
-    if direction == "mg2ms" and (tp, pp) != (1, 1):
-        raise CheckpointError("mg2ms writes a single-rank MindFormers checkpoint: --tp and --pp apply to ms2mg only")
+    if direction == "mg2ms" and pp != 1:
+        raise CheckpointError("mg2ms writes the ranks of one tensor-parallel group: --pp applies to ms2mg only")
     if fault is not None and (direction != "ms2mg" or (tp, pp) != (1, 1)):
         raise CheckpointError("fault injection simulates a single-rank ms2mg converter: use it with ms2mg, tp=1, pp=1")
     check_output_dir(output_dir)
@@ -262,6 +288,7 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         source = read_mindformers_checkpoint(input_dir)
         entries = source.model_entries()
         iteration = source.iteration or 0
+        notes = _left_out_buffers(source, model)
         plan = _forward_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, fault,
                              f"MindFormers checkpoint {source.directory}")
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
@@ -287,12 +314,15 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         state = _inverse(lambda keys: [_cast(loaded.pop(key), dtype) for key in keys], shapes,
                          model, core_version, f"Megatron checkpoint {source_mg.directory}", progress)
         keys_out, bytes_out = len(state), _nbytes(state.values())
+        buffers, notes = _fresh_buffers(model)
+        state.update(buffers)
         if progress:
-            progress(keys_in, keys_in, "writing the MindFormers file")
+            progress(keys_in, keys_in, "writing the MindFormers files")
         written = write_mindformers_checkpoint(output_dir, iteration, state, None,
-                                               default_common(iteration, global_batch_size))
+                                               default_common(iteration, global_batch_size),
+                                               world=tp, split_dim=mindformers_split_dim)
         files = sorted(written.glob("*.safetensors"))
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
                          seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, dtype=dtype, fault=fault,
-                         output_validated=fault is None)
+                         output_validated=fault is None, notes=notes)

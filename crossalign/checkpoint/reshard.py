@@ -75,6 +75,28 @@ def partition_of(key: str, ndim: int, model: ModelConfig) -> Partition:
     raise CheckpointError(f"no tensor-parallel layout is known for key {key!r}")
 
 
+_MS_REPLICATED_SUFFIXES = ("layernorm.weight", "enorm.weight", "hnorm.weight", "out_norm.weight",
+                           "mlp.router.weight", "shared_experts_gate.weight", "mlp.tokens_per_expert")
+_MS_ROW_PARALLEL_SUFFIXES = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
+                             "shared_experts.linear_fc2.weight")
+
+
+def mindformers_split_dim(key: str, shape: tuple[int, ...]) -> int | None:
+    """The axis a MindFormers tensor is cut along when ranks save it (None: every rank holds all of it).
+
+    Output projections are cut on their rows, input projections (linear_proj, fc2) on their
+    columns, routed experts on the expert axis (expert parallel); norms, the router, the
+    shared-expert gate and buffers are whole on every rank. The slices are a storage layout
+    that metadata.json describes: MindFormers' loader reassembles them for whatever layout
+    the loading run uses, so they need not follow the head or gate|up segments.
+    """
+    if key.endswith(_MS_REPLICATED_SUFFIXES):
+        return None
+    if key.endswith(_MS_ROW_PARALLEL_SUFFIXES):
+        return 1
+    return 0
+
+
 def check_parallel_sizes(model: ModelConfig, tp: int, pp: int) -> None:
     """Every split must fall on a head, group, channel or layer boundary; name the size that does not."""
     m = model

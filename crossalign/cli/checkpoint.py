@@ -72,7 +72,8 @@ def convert_command(
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 (as the source converter), bf16, or keep."),
     experts: str = typer.Option("per-expert", "--experts", help="per-expert (TE grouped linear_fc1.weight0..N, "
                                 "loads strictly) or stacked (one [E, 2i, H] tensor)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks of the Megatron output (ms2mg)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks of the output: Megatron's (ms2mg), or "
+                           "MindFormers rank files with metadata.json (mg2ms)."),
     pp: int = typer.Option(1, "--pp", help="Pipeline stages of the Megatron output (ms2mg)."),
     fault: Optional[str] = typer.Option(None, "--fault", help="Inject a known conversion bug (self-check only); "
                                         "the output is then written without validation."),
@@ -111,6 +112,8 @@ def convert_command(
     table.add_row("time", f"{result.seconds:.1f} s")
     table.add_row("output", str(output_dir))
     console.print(table)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False)
     if fault is not None:
         console.print(f"[bold yellow]warning:[/] fault {fault!r} injected ({FAULTS[fault]}); "
                       "the output was written WITHOUT validation", highlight=False)

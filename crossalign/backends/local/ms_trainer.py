@@ -11,7 +11,10 @@ What it reproduces of MindFormers' pynative trainer (SPEC sections 6 and 7):
   the log line of step k shows the lr of step k + 1, as the pynative LossCallback does;
 * one ``LossCallback`` line per step with the logger prefix; ``loss`` is the lm loss only,
   ``mtp_1_loss`` unscaled, ``load_balancing_loss`` the mean unscaled aux loss per MoE layer;
-* a checkpoint 2.0 save (fp32 weights, Adam moments, learning_rate, global_step, common.json).
+* a checkpoint 2.0 save as its CheckpointCallback writes it (mindformers 2.1.0): fp32 weights with each
+  MoE layer's ``mlp.tokens_per_expert`` buffer (tokens routed to each expert, counted in every forward
+  pass), the optimizer file with ``adam_m.*``, ``adam_v.*`` and an int64 ``global_step`` (the lr comes
+  from the schedule, so no ``learning_rate``), and common.json whose ``step_num`` is the run's total steps.
 
 The optimizer runs in numpy fp32: MindSpore's CPU AdamW (``mint.optim.AdamW``) has no kernel and
 ``nn.AdamWeightDecay`` has no bias correction, and per-parameter PyNative ops would cost more
@@ -148,6 +151,31 @@ class _Trainer:
             return total, lm_loss, mtp_losses, aux_loss
 
         self.value_and_grad = ms.value_and_grad(objective, None, self.net.trainable_params(), has_aux=True)
+        self.tokens_per_expert = self._count_routed_tokens()
+
+    def _count_routed_tokens(self) -> dict[str, np.ndarray]:
+        """MindFormers' ``mlp.tokens_per_expert`` buffers, counted as its MoE layer does in every forward pass.
+
+        A forward hook on each MoE layer routes the layer's input again (the same computation, so
+        the same experts) and adds up the tokens sent to each expert.
+        """
+        from mindspore import ops
+
+        from crossalign.backends.local.ms_model import MoE
+
+        counts: dict[str, np.ndarray] = {}
+
+        def counter(name: str):
+            def hook(cell, inputs, outputs):
+                tokens = ops.stop_gradient(inputs[0].reshape(-1, inputs[0].shape[-1]))
+                counts[name] += cell.route(tokens)[1].sum(axis=0).asnumpy()
+            return hook
+
+        for name, cell in self.net.cells_and_names():
+            if isinstance(cell, MoE):
+                counts[f"{name}.tokens_per_expert"] = np.zeros(self.model.num_experts, np.float32)
+                cell.register_forward_hook(counter(f"{name}.tokens_per_expert"))
+        return counts
 
     def step(self, tokens: np.ndarray, lr: float) -> dict[str, object]:
         """One optimizer step on a global batch [gbs, seq+1]; returns the metrics of the log line."""
@@ -250,11 +278,11 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
     checkpoint_dir = None
     if request.mode == "base" or request.save:
         model_state = {name: torch.from_numpy(value) for name, value in trainer.values.items()}
+        model_state.update({name: torch.from_numpy(count) for name, count in trainer.tokens_per_expert.items()})
         optimizer_state = {name: torch.from_numpy(value) for name, value in trainer.optimizer.state().items()}
-        optimizer_state["learning_rate"] = torch.tensor(warmup_lr(training, total + 1), dtype=torch.float32)
-        optimizer_state["global_step"] = torch.tensor([total], dtype=torch.int32)
+        optimizer_state["global_step"] = torch.tensor([total], dtype=torch.int64)  # pynative AdamW's, unfused
         write_mindformers_checkpoint(request.checkpoint_dir, total, model_state, optimizer_state,
-                                     default_common(total, gbs))
+                                     default_common(total, gbs, total_steps=total))
         checkpoint_dir = request.checkpoint_dir
     return TrainResult(log_path=request.log_path, checkpoint_dir=checkpoint_dir, iterations=total,
                        seconds=time.perf_counter() - started)
