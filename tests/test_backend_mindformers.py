@@ -13,9 +13,12 @@ from crossalign.backends.base import DatasetFiles, TrainRequest
 from crossalign.backends.launch import BackendRunError, BackendSetupError
 from crossalign.backends.mindformers import (
     MindFormersBackend,
+    expected_transformer_config,
     mindformers_yaml,
     parse_step_line,
+    read_transformer_config,
     verify_mindformers_log,
+    verify_transformer_config,
 )
 from crossalign.config import load_config
 from crossalign.site import FrameworkSite, SiteConfig
@@ -49,6 +52,20 @@ def test_align_yaml_follows_the_spec():
     assert model["num_experts"] == 8 and model["num_experts_per_tok"] == 2 and model["moe_intermediate_size"] == 512
     assert model["partial_rotary_factor"] == 0.25 and model["rope_theta"] == 1e6 and model["rms_norm_eps"] == 1e-5
     assert model["compute_dtype"] == "bfloat16" and model["vocab_size"] == 248320
+
+
+def test_model_keys_are_the_ones_mindformers_converter_reads():
+    # ConfigConverter drops keys it does not map with only a warning (config_converter.py:97-101,
+    # r1.9.0..master): scoring_func is such a key; moe_router_score_function is a TransformerConfig field.
+    moe = mindformers_yaml(load_config("qwen35_moe"), mode="align", data_prefix="/d/p", load_dir="/c")
+    assert "scoring_func" not in moe["model"] and moe["model"]["moe_router_score_function"] == "softmax"
+    dense = mindformers_yaml(load_config("qwen35_dense"), mode="align", data_prefix="/d/p", load_dir="/c")
+    for y in (moe, dense):
+        # TransformerConfig defaults are LayerNorm and no GLU: written always, for any fork's config class
+        assert y["model"]["normalization"] == "RMSNorm" and y["model"]["gated_linear_unit"] is True
+        # the pynative TrainConfig reads no top-level run_mode or seed
+        assert "run_mode" not in y and "seed" not in y
+        assert y["training"]["seed"] == 1234 and y["train_dataset"]["dataloader"]["config"]["seed"] == 1234
 
 
 def test_base_yaml_saves_and_dense_has_no_moe_keys():
@@ -154,6 +171,40 @@ def test_base_and_align_runs_through_the_run_script(tmp_path: Path, checkout: Pa
     assert result.iterations == 50 and result.checkpoint_dir is None
     written = yaml.safe_load((align.output_dir / "align_train.yaml").read_text())
     assert written["checkpoint"]["load_path"] == str(tmp_path / "bf16")
+
+
+def test_converted_config_read_back_from_the_log(tmp_path: Path):
+    config = load_config("qwen35_moe_tiny")
+    expected = expected_transformer_config(config)
+    lines = ["x - INFO - The final converted TransformerConfig is: {"]
+    lines += [f"  {name!r}: {'mindspore.' + value if name.endswith('dtype') else repr(value)}," for name, value in
+              {**expected, "batch_size": 1, "init_method": "<function init_method_normal.<locals>.init_>"}.items()]
+    lines += ["  'last': None", "}", "x - INFO - { step:[    1/    2], loss: ... }"]
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(lines) + "\n")
+    line, built = read_transformer_config(log)
+    assert line == 1 and built["moe_router_dtype"] == "float32" and built["last"] is None
+    verify_transformer_config(log, config)
+    log.write_text(log.read_text().replace("'moe_router_score_function': 'softmax'", "'moe_router_score_function': "
+                                           "'sigmoid'").replace("  'attention_output_gate': True,\n", ""))
+    with pytest.raises(BackendRunError, match=r"train.log:1: .*missing .*: attention_output_gate; different: "
+                                              r"moe_router_score_function 'sigmoid' \(expected 'softmax'\)"):
+        verify_transformer_config(log, config)
+    log.write_text("x - INFO - { step:[    1/    2], loss: ... }\n")
+    with pytest.raises(BackendRunError, match="no 'The final converted TransformerConfig is:' block"):
+        verify_transformer_config(log, config)
+
+
+@pytest.mark.timeout(60)
+def test_a_setting_mindformers_dropped_fails_the_run(tmp_path: Path, checkout: Path):
+    backend = MindFormersBackend(site=site_for(checkout, FAKE_MINDFORMERS="public-converter"))
+    with pytest.raises(BackendRunError, match=r"missing .*: attention_output_gate, linear_attention_freq, "
+                                              r"linear_conv_kernel_dim.*linear_num_value_heads"):
+        backend.train(request_for(tmp_path, "align", []))
+    request = request_for(tmp_path, "base", [])
+    request.extra["mindformers_model"] = {"partial_rotary_factor": 1.0}
+    with pytest.raises(BackendRunError, match=r"different: partial_rotary_factor 1.0 \(expected 0.25\)"):
+        MindFormersBackend(site=site_for(checkout)).train(request)
 
 
 @pytest.mark.timeout(60)

@@ -79,6 +79,18 @@ def test_norm_topk_prob_false():
     assert mismatches_after(lambda a: a + ["--moe-router-pre-softmax"]) == ["norm_topk_prob"]
 
 
+def test_keys_mindformers_converter_drops_read_as_absent():
+    # ConfigConverter maps TransformerConfig field names and its CONFIG_MAPPING keys only
+    def renamed(y):
+        y["model"]["rotary_percent"] = y["model"].pop("partial_rotary_factor")
+        y["model"]["scoring_func"] = "sigmoid"  # dropped: moe_router_score_function stays at its default
+    assert mismatches_after(mutate_yaml=renamed) == ["rotary percent"]
+
+    def defaults(y):
+        del y["model"]["normalization"], y["model"]["gated_linear_unit"]  # TransformerConfig: LayerNorm, no GLU
+    assert mismatches_after(mutate_yaml=defaults, name="qwen35_dense_tiny") == ["norm", "gated linear unit (SwiGLU)"]
+
+
 def test_missing_shared_expert_gate():
     assert mismatches_after(lambda a: drop_flag(a, "--moe-shared-expert-gate")) == ["shared-expert gate"]
 

@@ -6,10 +6,23 @@ save) and the alignment run (step 5: load the bf16 checkpoint). Settings that ch
 are written explicitly even where they equal a MindFormers default, so that ``crossalign
 preflight config`` can read them back and the YAML documents the run by itself.
 
-The ``model`` section uses the names MindFormers' transformer-config mapping accepts (HF style
-plus the pass-through Megatron names). Public MindFormers has no Qwen3.5 model: a site's
-MindFormers fork decides ``model_type``/``architectures`` and may need more keys; put them
-under ``request.extra["mindformers_model"]``, merged over the generated section.
+The ``model`` section uses only keys that MindFormers' config converter reads. The pynative
+models convert their config with ``ConfigConverter`` (``mindformers/parallel_core/config_converter.py``,
+r1.9.0, r2.0.0 and master): a key is read when a ``CONFIG_MAPPING`` of the model's converter
+maps it (Qwen3: ``head_dim``, ``num_hidden_layers``, ``rms_norm_eps``, ``rope_theta``, ...) or
+when it is a ``TransformerConfig`` field of the same name; any other key is dropped with only an
+"Unmapped Keys" warning (config_converter.py:97-101). So the router's score function is written
+``moe_router_score_function`` (``scoring_func`` is dropped), and ``normalization: RMSNorm`` and
+``gated_linear_unit: true`` are always written (TransformerConfig's defaults are LayerNorm and
+no GLU; only Qwen3's config class registers the right ones).
+
+Public MindFormers has no Qwen3.5 model, and its TransformerConfig has no ``attention_output_gate``
+and none of the six ``linear_*`` GatedDeltaNet fields: a site's fork must add them (they are
+written here under Megatron's names). Because a dropped key only warns, the step reads back the
+"The final converted TransformerConfig is:" block the converter logs (config_converter.py:108-112)
+and fails, naming the setting, when a number-changing setting is missing or different
+(:func:`verify_transformer_config`). A fork that needs other keys gets them through
+``request.extra["mindformers_model"]``, merged over the generated section.
 
 The log: LossCallback lines go to stdout (captured line by line into ``train.log``) and to
 ``<LOG_MF_PATH>/rank_<r>/info.log``; the run script points LOG_MF_PATH into the step folder.
@@ -18,6 +31,8 @@ With several cards msrun tails the last worker's log to stdout.
 
 from __future__ import annotations
 
+import ast
+import math
 import re
 import time
 from pathlib import Path
@@ -42,6 +57,7 @@ RUN_SCRIPT = "run_mindformers.sh"
 CHECKPOINT_PREFIX = "qwen35"
 DETERMINISTIC_ENV = {"HCCL_DETERMINISTIC": "true", "ASCEND_LAUNCH_BLOCKING": "1"}
 MSRUN_PORT = 8118
+ROUTER_DTYPE_NAMES = {"fp32": "float32"}  # our config's (Megatron's) names -> MindFormers' dtype names
 
 
 def _model_section(config: AlignmentConfig) -> dict:
@@ -59,6 +75,8 @@ def _model_section(config: AlignmentConfig) -> dict:
         "head_dim": m.kv_channels,
         "intermediate_size": m.ffn_hidden_size,
         "hidden_act": "swiglu",
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
         "rms_norm_eps": m.norm_epsilon,
         "position_embedding_type": "rope",
         "rope_theta": m.rotary_base,
@@ -94,13 +112,12 @@ def _model_section(config: AlignmentConfig) -> dict:
             "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
             "use_shared_expert_gating": m.moe_shared_expert_gate,
             "norm_topk_prob": m.norm_topk_prob,
-            "scoring_func": m.moe_router_score_function,
+            "moe_router_score_function": m.moe_router_score_function,
             "routed_scaling_factor": m.moe_router_topk_scaling_factor,
-            "router_dense_type": "float32",
+            "router_dense_type": ROUTER_DTYPE_NAMES[m.moe_router_dtype],
             "moe_router_load_balancing_type": "aux_loss",
             "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
             "moe_grouped_gemm": True,
-            "gated_linear_unit": True,
         })
     return model
 
@@ -132,9 +149,10 @@ def mindformers_yaml(
     steps = t.base_train_iters if mode == "base" else t.train_iters
     model = _model_section(config)
     model.update(model_overrides or {})
+    # No top-level run_mode or seed: the pynative TrainConfig reads neither (run_mindformer.py --mode 1
+    # builds the trainer with its default run_mode "train"; the seeds are training.seed and the
+    # dataset's config.seed; mindformers/pynative/config/config.py TrainConfig, r2.0.0).
     return {
-        "run_mode": "train",
-        "seed": t.seed,
         "checkpoint": {
             "enable_save": save_dir is not None,
             "save_path": str(save_dir) if save_dir is not None else "",
@@ -214,6 +232,107 @@ def dump_yaml(data: dict, path: Path) -> Path:
     tmp.write_text(yaml.safe_dump(data, sort_keys=False))
     tmp.replace(path)
     return path
+
+
+# ---- what MindFormers built from the YAML ------------------------------------------------------
+
+CONVERTED_CONFIG_MARK = "The final converted TransformerConfig is: {"
+_CONVERTED_ENTRY = re.compile(r"^\s*'(\w+)': (.*?),?\s*$")
+
+
+def expected_transformer_config(config: AlignmentConfig) -> dict[str, object]:
+    """The number-changing ``TransformerConfig`` fields MindFormers must build for this model config."""
+    m, t = config.model, config.training
+    expected: dict[str, object] = {
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_query_groups, "kv_channels": m.kv_channels, "ffn_hidden_size": m.ffn_hidden_size,
+        "vocab_size": m.padded_vocab_size, "seq_length": t.seq_length,
+        "normalization": "RMSNorm", "layernorm_epsilon": m.norm_epsilon, "gated_linear_unit": True,
+        "add_bias_linear": False, "tie_word_embeddings": False,
+        "position_embedding_type": "rope", "rotary_base": m.rotary_base, "partial_rotary_factor": m.rotary_percent,
+        "qk_layernorm": True, "attention_output_gate": True,
+        "experimental_attention_variant": "gated_delta_net", "linear_attention_freq": m.linear_attention_freq,
+        "linear_conv_kernel_dim": m.linear_conv_kernel_dim, "linear_key_head_dim": m.linear_key_head_dim,
+        "linear_value_head_dim": m.linear_value_head_dim, "linear_num_key_heads": m.linear_num_key_heads,
+        "linear_num_value_heads": m.linear_num_value_heads,
+        "attention_dropout": t.attention_dropout, "hidden_dropout": t.hidden_dropout,
+        "params_dtype": "float32", "compute_dtype": "bfloat16" if t.bf16 else "float32",
+        "use_interleaved_weight_layout_mlp": True,
+        "mtp_num_layers": m.mtp_num_layers,
+        "num_moe_experts": m.num_experts if m.is_moe else None,
+    }
+    if m.mtp_num_layers:
+        expected["mtp_loss_scaling_factor"] = m.mtp_loss_scaling_factor
+    if m.is_moe:
+        expected.update({
+            "moe_router_topk": m.moe_router_topk, "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
+            "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+            "use_shared_expert_gating": m.moe_shared_expert_gate, "norm_topk_prob": m.norm_topk_prob,
+            "moe_router_pre_softmax": False, "moe_router_score_function": m.moe_router_score_function,
+            "moe_router_topk_scaling_factor": m.moe_router_topk_scaling_factor,
+            "moe_router_dtype": ROUTER_DTYPE_NAMES[m.moe_router_dtype],
+            "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
+        })
+    return expected
+
+
+def _converted_value(text: str) -> object:
+    """A value as the converter printed it (``repr``): a literal, or ``mindspore.bfloat16`` -> ``"bfloat16"``."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text.removeprefix("mindspore.")
+
+
+def read_transformer_config(log_path: Path) -> tuple[int, dict[str, object]] | None:
+    """(line, fields) of the last "The final converted TransformerConfig is:" block of the log, None if it has none.
+
+    ConfigConverter.convert prints ``{`` + one ``  'name': repr(value)`` line per field + ``}``
+    (config_converter.py:108-112 in r1.9.0, r2.0.0 and master).
+    """
+    found: tuple[int, dict[str, object]] | None = None
+    current: dict[str, object] | None = None
+    with open(log_path, encoding="utf-8", errors="replace") as log:
+        for number, line in enumerate(log, start=1):
+            if line.rstrip().endswith(CONVERTED_CONFIG_MARK):
+                current = {}
+                found = (number, current)
+            elif current is not None:
+                entry = _CONVERTED_ENTRY.match(line)
+                if entry:
+                    current[entry.group(1)] = _converted_value(entry.group(2))
+                else:
+                    current = None
+    return found
+
+
+def _agrees(actual: object, wanted: object) -> bool:
+    if isinstance(wanted, bool) or isinstance(actual, bool) or wanted is None or isinstance(wanted, str):
+        return actual == wanted
+    return isinstance(actual, (int, float)) and math.isclose(actual, wanted, rel_tol=1e-9)  # type: ignore[arg-type]
+
+
+def verify_transformer_config(log_path: Path, config: AlignmentConfig) -> None:
+    """Raise BackendRunError, naming each setting, unless MindFormers built the model the config describes.
+
+    MindFormers drops a YAML key its converter does not map with only a warning, so a run can
+    train another model than the one asked for; what it really built is the converter's block.
+    """
+    block = read_transformer_config(log_path)
+    if block is None:
+        raise BackendRunError(f"{log_path}: no '{CONVERTED_CONFIG_MARK[:-2]}' block: cannot check which model "
+                              "MindFormers built from the YAML (its ConfigConverter logs it when it builds the model)")
+    line, built = block
+    missing = [name for name in expected_transformer_config(config) if name not in built]
+    different = [f"{name} {built[name]!r} (expected {wanted!r})" for name, wanted in
+                 expected_transformer_config(config).items() if name in built and not _agrees(built[name], wanted)]
+    if missing or different:
+        problems = "; ".join(filter(None, [
+            f"missing (this MindFormers' TransformerConfig has no such field, so the YAML key was dropped): "
+            f"{', '.join(missing)}" if missing else "",
+            f"different: {', '.join(different)}" if different else ""]))
+        raise BackendRunError(f"{log_path}:{line}: MindFormers built another model than the config describes: "
+                              f"{problems}")
 
 
 # ---- the log ---------------------------------------------------------------------------------
@@ -344,6 +463,7 @@ class MindFormersBackend(FrameworkBackend):
         status = self._runner(script, request.log_path, on_line)
         verify_mindformers_log(request.log_path, steps=steps, loaded=loaded, exit_status=status,
                                mtp=request.config.model.mtp_num_layers > 0)
+        verify_transformer_config(request.log_path, request.config)
         checkpoint = find_checkpoint(request.checkpoint_dir) if save else None
         return TrainResult(log_path=request.log_path, checkpoint_dir=checkpoint, iterations=steps,
                            seconds=time.monotonic() - start)

@@ -246,6 +246,7 @@ def read_megatron_args(args: Sequence[str], core_version: str) -> dict[str, Read
     r["norm"] = _reading(raw("--normalization") or "LayerNorm", "--normalization")
     r["norm epsilon"] = num("--norm-epsilon", 1e-5)
     r["norm weight form"] = _reading("1+w" if "--apply-layernorm-1p" in a else "plain w", "--apply-layernorm-1p")
+    r["gated linear unit (SwiGLU)"] = switch("--swiglu")
     freq_text = raw("--linear-attention-freq")
     freq: Any = None
     if freq_text is not None:
@@ -316,7 +317,15 @@ def read_megatron_args(args: Sequence[str], core_version: str) -> dict[str, Read
 
 
 def read_mindformers_yaml(data: Mapping[str, Any]) -> dict[str, Reading]:
-    """Every number-changing setting as MindFormers pynative will run it (TrainConfig defaults, key aliases)."""
+    """Every number-changing setting as MindFormers pynative will run it (TrainConfig defaults, key aliases).
+
+    A ``model`` key counts only where MindFormers' ConfigConverter reads it: a ``TransformerConfig``
+    field of that name, or a key the Qwen3/Qwen3-MoE converters map (``num_hidden_layers``,
+    ``rms_norm_eps``, ``rope_theta``, ``num_experts``, ...); other spellings (``scoring_func``,
+    ``rotary_percent``, ``router_aux_loss_coef``) are dropped by MindFormers and so read as absent
+    here (mindformers/parallel_core/config_converter.py, models/qwen3*/config_converter_qwen3*.py,
+    r1.9.0..master). Unset fields take TransformerConfig's defaults (LayerNorm, no GLU, ...).
+    """
 
     def section(*path: str) -> Mapping[str, Any]:
         node: Any = data
@@ -385,12 +394,13 @@ def read_mindformers_yaml(data: Mapping[str, Any]) -> dict[str, Reading]:
     r["attention dropout"] = get(model, ["attention_dropout"], None, "model", float)
     r["hidden dropout"] = get(model, ["hidden_dropout"], None, "model", float)
 
-    layers = get(model, ["num_hidden_layers", "num_layers", "n_layer"], None, "model", int).value
+    layers = get(model, ["num_hidden_layers", "num_layers"], None, "model", int).value
     hidden = get(model, ["hidden_size"], None, "model", int)
-    heads = get(model, ["num_attention_heads", "num_heads", "n_head"], None, "model", int)
-    r["norm"] = _reading("RMSNorm", "MindFormers training layers")
-    r["norm epsilon"] = get(model, ["rms_norm_eps", "layernorm_epsilon", "layer_norm_epsilon"], None, "model", float)
+    heads = get(model, ["num_attention_heads"], None, "model", int)
+    r["norm"] = get(model, ["normalization"], "LayerNorm", "model")
+    r["norm epsilon"] = get(model, ["rms_norm_eps", "layernorm_epsilon"], 1e-5, "model", float)
     r["norm weight form"] = _reading("plain w", "MindFormers training layers")
+    r["gated linear unit (SwiGLU)"] = get(model, ["gated_linear_unit"], False, "model", bool)
     freq: Any = model.get("linear_attention_freq", model.get("full_attention_interval"))
     if isinstance(model.get("layer_types"), list):
         freq = [0 if "full" in str(kind) else 1 for kind in model["layer_types"]]
@@ -402,33 +412,32 @@ def read_mindformers_yaml(data: Mapping[str, Any]) -> dict[str, Reading]:
     r["hidden size"] = hidden
     r["ffn hidden size"] = get(model, ["intermediate_size", "ffn_hidden_size"], None, "model", int)
     r["attention heads"] = heads
-    r["query groups"] = get(model, ["num_key_value_heads", "num_query_groups", "n_kv_heads"], heads.value, "model", int)
+    r["query groups"] = get(model, ["num_key_value_heads", "num_query_groups"], heads.value, "model", int)
     r["head dim"] = get(model, ["head_dim", "kv_channels"], None, "model", int)
     r["GDN key head dim"] = get(model, ["linear_key_head_dim"], 128, "model", int)
     r["GDN value head dim"] = get(model, ["linear_value_head_dim"], 128, "model", int)
     r["GDN key heads"] = get(model, ["linear_num_key_heads"], 16, "model", int)
     r["GDN value heads"] = get(model, ["linear_num_value_heads"], 32, "model", int)
     r["GDN conv kernel"] = get(model, ["linear_conv_kernel_dim"], 4, "model", int)
-    r["vocab rows"] = get(model, ["vocab_size", "padded_vocab_size"], None, "model", int)
+    r["vocab rows"] = get(model, ["vocab_size"], None, "model", int)
     r["position embedding"] = get(model, ["position_embedding_type"], "rope", "model")
-    r["rotary base"] = get(model, ["rope_theta", "rotary_base", "theta"], None, "model", float)
-    r["rotary percent"] = get(model, ["partial_rotary_factor", "rotary_percent"], 1.0, "model", float)
-    r["qk layernorm"] = get(model, ["qk_layernorm", "use_qk_norm"], False, "model", bool)
+    r["rotary base"] = get(model, ["rope_theta", "rotary_base"], 10000.0, "model", float)
+    r["rotary percent"] = get(model, ["partial_rotary_factor"], 1.0, "model", float)
+    r["qk layernorm"] = get(model, ["qk_layernorm"], False, "model", bool)
     r["attention output gate"] = get(model, ["attention_output_gate"], None, "model", bool)
 
-    experts = get(model, ["num_experts", "n_routed_experts", "expert_num", "num_moe_experts"], None, "model", int)
+    experts = get(model, ["num_experts", "num_moe_experts"], None, "model", int)
     if experts.value:
         r["experts"] = experts
-        r["router topk"] = get(model, ["num_experts_per_tok", "moe_router_topk", "num_experts_chosen"], None,
-                               "model", int)
+        r["router topk"] = get(model, ["num_experts_per_tok", "moe_router_topk"], None, "model", int)
         r["expert ffn size"] = get(model, ["moe_intermediate_size", "moe_ffn_hidden_size"], None, "model", int)
         r["shared expert ffn size"] = get(model, ["moe_shared_expert_intermediate_size"], None, "model", int)
         topk_norm = get(model, ["norm_topk_prob"], False, "model", bool)
         r["norm_topk_prob"] = Reading(topk_norm.value, topk_norm.shown, topk_norm.origin)
         r["shared-expert gate"] = get(model, ["use_shared_expert_gating"], False, "model", bool)
-        r["aux loss coeff"] = get(model, ["moe_aux_loss_coeff", "router_aux_loss_coef"], 0.0, "model", float)
+        r["aux loss coeff"] = get(model, ["moe_aux_loss_coeff"], 0.0, "model", float)
         r["load balancing type"] = get(model, ["moe_router_load_balancing_type"], None, "model")
-        r["router score function"] = get(model, ["moe_router_score_function", "scoring_func"], "softmax", "model")
+        r["router score function"] = get(model, ["moe_router_score_function"], "softmax", "model")
         r["router topk scaling"] = get(model, ["moe_router_topk_scaling_factor", "routed_scaling_factor"], 1.0,
                                        "model", float)
         dtype = get(model, ["moe_router_dtype", "router_dense_type"], None, "model")
@@ -436,8 +445,8 @@ def read_mindformers_yaml(data: Mapping[str, Any]) -> dict[str, Reading]:
         r["router dtype"] = _reading(names.get(str(dtype.value), dtype.value), dtype.origin)
     else:
         r["experts"] = Reading("dense", "dense", "model.num_experts")
-    r["MTP layers"] = get(model, ["mtp_num_layers", "num_nextn_predict_layers", "mtp_depth"], 0, "model", int)
-    r["MTP loss scaling"] = get(model, ["mtp_loss_scaling_factor", "mtp_loss_factor"], None, "model", float)
+    r["MTP layers"] = get(model, ["mtp_num_layers"], 0, "model", int)
+    r["MTP loss scaling"] = get(model, ["mtp_loss_scaling_factor"], None, "model", float)
     r["bf16"] = _reading(str(model.get("compute_dtype", "")).lower() in ("bfloat16", "bf16"), "model.compute_dtype")
     r["deterministic"] = get(training, ["deterministic"], False, "training", bool)
     r["_recompute"] = _reading(section("recompute").get("mode", "None"), "recompute.mode")
