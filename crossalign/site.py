@@ -1,5 +1,6 @@
 """The site config: where this installation keeps its runs and finds the real frameworks.
 
+Every field is explained in ``crossalign.site.example.yaml`` at the top of the repository.
 One YAML file per site (``crossalign.site.yaml`` in the working directory, or the path in
 ``CROSSALIGN_SITE``; ``CROSSALIGN_STORE`` overrides its store). Without one, everything runs embedded on this machine: the run store is
 ``./runs`` and both training sides use the CPU backends.
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 SITE_ENV = "CROSSALIGN_SITE"
 STORE_ENV = "CROSSALIGN_STORE"  # overrides the site's store (agents set it for the flow runs they start)
@@ -77,6 +78,15 @@ class SiteConfig(_Strict):
     megatron: FrameworkSite = Field(default_factory=FrameworkSite)
     ssh_hosts: dict[str, SshHost] = Field(default_factory=dict)
     prefect_api_url: str | None = None
+    report_url: str | None = Field(default=None, description="where `crossalign serve` publishes the store over "
+                                   "HTTP, e.g. http://reports.example:8080/; artifacts and alerts link there")
+
+    @field_validator("report_url")
+    @classmethod
+    def _check_report_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"{value!r} is not an http:// or https:// URL")
+        return value
 
     @model_validator(mode="after")
     def _check_backends(self) -> "SiteConfig":

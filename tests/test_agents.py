@@ -79,6 +79,30 @@ def test_site_refuses_a_backend_on_the_wrong_pool(tmp_path):
         load_site(path)
 
 
+def test_the_example_site_config_sets_and_explains_every_field(tmp_path):
+    """crossalign.site.example.yaml is the site config's documentation: it loads, and every field of
+    every section is set in it with a comment line naming it."""
+    import yaml
+
+    from crossalign.site import FrameworkSite, SshHost
+
+    path = Path(__file__).resolve().parent.parent / "crossalign.site.example.yaml"
+    site = load_site(path)
+    raw = yaml.safe_load(path.read_text())
+    comments = "\n".join(line for line in path.read_text().splitlines() if line.lstrip().startswith("#"))
+    sections = {SiteConfig: [raw], FrameworkSite: [raw["mindformers"], raw["megatron"]],
+                SshHost: list(raw["ssh_hosts"].values())}
+    for model, examples in sections.items():
+        unset = set(model.model_fields) - {key for example in examples for key in example}
+        assert not unset, f"{model.__name__}: {sorted(unset)} not in the example"
+        unexplained = [name for name in model.model_fields if name not in comments]
+        assert not unexplained, f"{model.__name__}: {unexplained} have no comment"
+    assert site.report_url == "http://prefect.example:8080/" and site.prefect_api_url.endswith("/api")
+    (tmp_path / "site.yaml").write_text("report_url: file:///runs\n")
+    with pytest.raises(SiteError, match="report_url: .*'file:///runs' is not an http"):
+        load_site(tmp_path / "site.yaml")
+
+
 def test_automation_definitions_are_valid_prefect_automations():
     from prefect.automations import AutomationCore
 
