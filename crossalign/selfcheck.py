@@ -36,10 +36,11 @@ StageCallback = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Checkpoints:
-    """The checkpoints under test: the MindFormers original and its conversion."""
+    """The checkpoints under test: the original and its conversions (MindFormers, Megatron, Hugging Face)."""
 
     mindformers: Path
     megatron: Path
+    huggingface: Path
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Implementation:
     """
 
     name: str
-    reads: Literal["mindformers", "megatron"]
+    reads: Literal["mindformers", "megatron", "huggingface"]
     run: Callable[[AlignmentConfig, Checkpoints, Batch], Outputs]
 
 
@@ -71,10 +72,36 @@ def _run_pytorch(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch
     return run_megatron(net, batch)
 
 
+def _run_megatron_core(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
+    """megatron-core's own GPTModel on CPU, built by the GPU launcher's layer-spec builder (local modules)."""
+    import numpy as np
+
+    from crossalign.backends.local.mcore_model import McoreLoadError, run_selfcheck_forward
+    from crossalign.checkpoint.megatron import read_megatron_checkpoint
+
+    state = read_megatron_checkpoint(checkpoints.megatron, config.model).state
+    try:
+        out = run_selfcheck_forward(config.model, config.training, state, config.training.megatron_core_version,
+                                    batch.input_ids, batch.labels, batch.loss_mask)
+    except McoreLoadError as exc:
+        raise SideError(str(exc)) from None
+    return Outputs(logits=out["logits"], lm_loss=out["lm_loss"], mtp_losses=np.asarray(out["mtp_losses"]),
+                   aux_loss=out["aux_loss"])
+
+
+def _run_transformers(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
+    """transformers' own Qwen3_5(Moe)ForCausalLM, the public reference implementation, plus the released MTP layout."""
+    from crossalign.diagnose.hf_side import build_hf, run_hf
+
+    return run_hf(build_hf(config.model, checkpoints.huggingface), batch)
+
+
 # The first is the reference of every comparison it is part of (relative errors are taken against it).
 IMPLEMENTATIONS: list[Implementation] = [
     Implementation("MindSpore", "mindformers", _run_mindspore),
     Implementation("PyTorch", "megatron", _run_pytorch),
+    Implementation("megatron-core", "megatron", _run_megatron_core),
+    Implementation("transformers", "huggingface", _run_transformers),
 ]
 
 
@@ -140,6 +167,7 @@ class SelfcheckReport:
     mindspore_checkpoint: str
     megatron_checkpoint: str
     fault: str | None
+    huggingface_checkpoint: str = "converted here"
     implementations: list[ImplementationResult] = field(default_factory=list)
     pairs: list[PairCheck] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)

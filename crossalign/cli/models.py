@@ -74,13 +74,13 @@ def selfcheck_command(
         for name in scalar_outputs(loaded[0].outputs):
             values.add_row(name, *(_number(scalar_outputs(r.outputs).get(name), ".6f") for r in loaded))
         console.print(values)
-        table = Table("pair", "output", "max abs", "max rel", "cosine", "limit", "", title="each pair")
         for pair in report.pairs:
+            table = Table("output", "max abs", "max rel", "cosine", "limit", "", title=pair.name)
             for check in pair.checks:
-                table.add_row(pair.name, check.name, _number(check.max_abs, ".3e"), _number(check.max_rel, ".3e"),
+                table.add_row(check.name, _number(check.max_abs, ".3e"), _number(check.max_rel, ".3e"),
                               _number(check.cosine, ".7f"), check.limit,
                               "[green]ok[/]" if check.passed else "[bold red]FAIL[/]")
-        console.print(table)
+            console.print(table)
     timing = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in report.seconds.items())
     if report.passed:
         console.print(f"[bold green]PASS[/] {len(report.implementations)} implementations agree on every output "

@@ -1,0 +1,253 @@
+"""megatron-core on a CPU: every workaround it needs, each with its reason, and the single-process runtime.
+
+megatron-core is written for CUDA; its model, DDP, optimizer and schedule still run on a CPU
+once the few places that name CUDA are redirected. Each :class:`Workaround` below says what it
+replaces and why, and carries a check that the upstream code still looks the way it was when
+the workaround was written: :func:`self_test` runs every check (and the version pins) before
+anything is patched, so an upgrade that moves or fixes one of them fails loudly, naming it,
+instead of training something else. Checked on megatron-core 0.16.1 with torch 2.13.0 (CPU
+build) and fla-core 0.6.0.
+
+Everything is applied by :func:`megatron_core_on_cpu` and undone when it exits: it is entered
+only by the embedded megatron-train step's training process and by selfcheck, never by the
+process that orchestrates a run. Two more things are settings, not patches, and live with the
+TransformerConfig (``mcore_model.transformer_config``): ``deterministic_mode=True`` (GatedDeltaNet
+then uses megatron-core's own ``torch_chunk_gated_delta_rule`` and torch's conv1d, not fla's
+Triton kernel, which needs a GPU) and ``moe_token_dispatcher_type="allgather"`` (the alltoall
+dispatcher creates a CUDA stream; with one expert-parallel rank allgather communicates nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+CHECKED_VERSIONS = {"megatron-core": ("0.16.1",), "torch": ("2.13.0",)}
+
+
+class MegatronCpuError(RuntimeError):
+    """megatron-core is not the version, or not the code, that the CPU workarounds were written for."""
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """One redirection: ``module.attribute`` replaced by ``replacement()`` while the runtime is on.
+
+    ``upstream`` is a piece of the original's source that is the reason for the workaround; if
+    it is gone, the workaround may no longer be needed, or no longer enough: the self-test fails.
+    """
+
+    module: str
+    attribute: str
+    reason: str
+    replacement: Callable[[], object]
+    upstream: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attribute}"
+
+    def target(self):
+        import importlib
+
+        return importlib.import_module(self.module)
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fla's l2norm (x / sqrt(sum x^2 + eps) over the last axis) in plain torch."""
+    y = x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps)
+    return y.to(output_dtype or x.dtype)
+
+
+def _cpu_current_device():
+    return "cpu"
+
+
+class CpuRNGStatesTracker:
+    """megatron-core's CudaRNGStatesTracker on the CPU generator: named seeded states, forked and restored.
+
+    ``model_parallel_cuda_manual_seed`` creates its states with ``torch.cuda.get_rng_state``; on
+    CPU the parameter init and dropout forks use these instead (the weights are loaded from the
+    checkpoint and dropout is 0, so only the bookkeeping matters).
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int):
+        if seed in self.seeds_ or name in self.states_:
+            raise MegatronCpuError(f"rng state {name} (seed {seed}) already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise MegatronCpuError(f"rng state {name} is not added")
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron-core's clip_grad_by_total_norm_fp32 without its CUDA asserts: grads *= max_norm / (norm + 1e-6)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for param in parameters:
+            grad = param.decoupled_grad if use_decoupled_grad else param.grad
+            if grad is not None:
+                grad.mul_(clip_coeff)
+
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround("torch.cuda", "current_device",
+               "passed as device= in many constructors (GatedDeltaNet's conv1d, A_log, dt_bias, linear "
+               "layers' weights); on CPU it must name the CPU", lambda: _cpu_current_device),
+    Workaround("megatron.core.transformer.utils", "get_default_causal_mask",
+               "builds the causal mask with device='cuda'", lambda: _cpu_causal_mask, 'device="cuda"'),
+    Workaround("megatron.core.fusions.fused_softmax", "get_default_causal_mask",
+               "the same function, imported by name into the softmax that applies it", lambda: _cpu_causal_mask),
+    Workaround("megatron.core.ssm.gated_delta_net", "l2norm",
+               "fla's l2norm is a Triton kernel, which needs a GPU", lambda: _torch_l2norm,
+               "from fla.modules.l2norm import l2norm"),
+    Workaround("megatron.core.transformer.moe.moe_utils", "te_general_gemm",
+               "the router's gemm calls te_general_gemm, left undefined when TransformerEngine is absent "
+               "(it is imported in a try block; None selects torch.mm)", lambda: None,
+               "if te_general_gemm is not None"),
+    Workaround("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
+               "asserts torch.cuda.FloatTensor grads and scales with a CUDA overflow buffer",
+               lambda: _clip_grad_by_total_norm_fp32, "torch.cuda.FloatTensor"),
+    Workaround("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+               "the same function, imported by name into the optimizer that calls it",
+               lambda: _clip_grad_by_total_norm_fp32),
+    Workaround("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER",
+               "the CUDA RNG tracker seeds and forks torch.cuda generator states", CpuRNGStatesTracker,
+               "torch.cuda.get_rng_state()"),
+    Workaround("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+               "marks the CPU tracker as the one in use", lambda: True),
+)
+
+
+class CudaLiteralsToCpu(TorchFunctionMode):
+    """Maps ``device='cuda'`` in torch calls to the CPU.
+
+    megatron-core's optimizer and training helpers create small tensors on ``'cuda'`` by name
+    (FP32Optimizer's loss scale, the grad-norm and zero-count reductions, the token totals). It
+    costs some Python per torch call, so it is entered only around the optimizer step.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = dict(kwargs, device="cpu")
+        return func(*args, **kwargs)
+
+
+def installed_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"megatron-core": version("megatron-core"), "torch": torch.__version__.split("+")[0]}
+
+
+def self_test() -> None:
+    """Fail, naming it, where megatron-core or torch is not what these workarounds were checked against."""
+    problems = []
+    for package, have in installed_versions().items():
+        if have not in CHECKED_VERSIONS[package]:
+            problems.append(f"{package} {have} is installed; the CPU workarounds were checked on "
+                            f"{', '.join(CHECKED_VERSIONS[package])}")
+    for workaround in WORKAROUNDS:
+        module = workaround.target()
+        if not hasattr(module, workaround.attribute) and workaround.attribute != "te_general_gemm":
+            problems.append(f"{workaround.name} no longer exists ({workaround.reason})")
+            continue
+        if workaround.upstream is not None:
+            source = inspect.getsource(module)
+            if workaround.upstream not in source:
+                problems.append(f"{workaround.name}: {workaround.upstream!r} is no longer in {module.__name__} "
+                                f"(the workaround was for: {workaround.reason})")
+    if problems:
+        raise MegatronCpuError("megatron-core on CPU: " + "; ".join(problems))
+
+
+@contextlib.contextmanager
+def _patched() -> Iterator[None]:
+    saved = []
+    try:
+        for workaround in WORKAROUNDS:
+            module = workaround.target()
+            saved.append((module, workaround.attribute, getattr(module, workaround.attribute, None)))
+            setattr(module, workaround.attribute, workaround.replacement())
+        yield
+    finally:
+        for module, attribute, original in reversed(saved):
+            setattr(module, attribute, original)
+
+
+@contextlib.contextmanager
+def megatron_core_on_cpu(seed: int) -> Iterator[None]:
+    """megatron-core ready to build and train a model in this process, on CPU; everything undone on exit.
+
+    Runs the self-test, applies the workarounds, turns off ``torch.compile`` (megatron-core's
+    ``jit_fuser``: about 14 s to compile on a cold start and nothing gained on CPU), starts a
+    one-process gloo group, initialises megatron-core's parallel state (every size 1) and seeds
+    its RNG states as ``model_parallel_cuda_manual_seed`` would (seed, seed + 2718, seed + 1024).
+    """
+    import torch._dynamo
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    self_test()
+    if dist.is_initialized():
+        raise MegatronCpuError("a torch.distributed process group is already running in this process")
+    dynamo_was_disabled = torch._dynamo.config.disable
+    torch._dynamo.config.disable = True
+    try:
+        with _patched():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                parallel_state.initialize_model_parallel()
+                tracker = mcore_random.get_cuda_rng_tracker()
+                torch.manual_seed(seed)
+                tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+                tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
+                tracker.add(mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+                yield
+            finally:
+                parallel_state.destroy_model_parallel()
+                dist.destroy_process_group()
+    finally:
+        torch._dynamo.config.disable = dynamo_was_disabled

@@ -1,0 +1,140 @@
+"""Qwen3.5's layer specs for megatron-core, from the TransformerConfig alone: one builder for the GPU and the CPU.
+
+The decoder is [GDN, GDN, GDN, attention] x N (``linear_attention_freq``), each layer dense or
+MoE (``moe_layer_freq``); the MTP layer is built from the model's last layer (full attention,
+since ``linear_attention_freq`` divides ``num_layers``). Two users build the model through
+this one module:
+
+- ``pretrain_qwen35.py`` on a GPU, with TransformerEngine modules (``use_te=True``): the
+  per-part specs come from megatron-core's own helpers for the hybrid block
+  (``experimental_attention_variant_module_specs``: ``get_gated_delta_net_module_spec``,
+  ``_get_self_attention_module_spec``, ``_get_dense_mlp_module_spec``, ``_get_moe_module_spec``),
+  composed exactly as ``get_transformer_block_with_experimental_attention_variant_spec`` composes
+  them, so the decoder is the one stock ``pretrain_gpt.py`` builds;
+- crossalign's embedded CPU backend and selfcheck, with megatron-core's local modules
+  (``use_te=False``). That upstream block function asserts TransformerEngine (its
+  ``_get_backend_spec_provider``, core 0.16.1 to 0.19.0), and its GDN spec asks the backend for
+  a fused norm+linear that the local provider does not have (``column_parallel_layer_norm_linear()``
+  is None), so here the GDN ``in_proj`` is a ``ColumnParallelLinear`` after a separate input norm,
+  and the attention is ``get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")``'s.
+  The parameters are the TE ones under other names (the norms are not fused into the
+  linears): ``crossalign/checkpoint/te_local.py`` maps them.
+
+The MTP layer takes the GLOBAL last layer of the decoder, whatever the pipeline stage, as
+upstream core 0.19.0 does (``gpt_builders.py`` lines 67-80 of core_v0.19.0 take
+``get_transformer_layer_with_experimental_attention_variant_spec(config)[-1]``, the unsliced
+list). Needs only megatron-core (0.16.0 .. 0.19.x): it imports nothing from crossalign.
+"""
+
+from __future__ import annotations
+
+
+def _part_specs(config, use_te: bool) -> dict:
+    """The module spec of each part a layer can have ("gdn", "attention", "dense", "moe"), for the backend.
+
+    Each spec's metainfo says whether the norm before it is fused into it (TE) or separate (local).
+    """
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as hybrid
+
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        backend = TESpecProvider()
+        parts = {"gdn": hybrid.get_gated_delta_net_module_spec(config=config, backend=backend),
+                 "attention": hybrid._get_self_attention_module_spec(config=config, backend=backend)}
+        if config.num_moe_experts is not None:
+            parts["moe"] = hybrid._get_moe_module_spec(config=config, backend=backend)
+        parts["dense"] = hybrid._get_dense_mlp_module_spec(config=config, backend=backend)
+        return parts
+
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_mlp_module_spec_for_backend
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    backend = LocalSpecProvider()
+    norm = backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False)
+    parts = {
+        "gdn": ModuleSpec(module=GatedDeltaNet,
+                          submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm,
+                                                             out_proj=RowParallelLinear),
+                          metainfo={"fuse_input_layernorm": False}),
+        "attention": get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                              normalization=config.normalization).submodules.self_attention,
+        "dense": get_mlp_module_spec_for_backend(backend=backend, num_experts=None),
+    }
+    parts["attention"].metainfo["fuse_input_layernorm"] = False
+    parts["dense"].metainfo["fuse_pre_mlp_layernorm"] = False
+    if config.num_moe_experts is not None:
+        parts["moe"] = get_moe_module_spec_for_backend(backend=backend, num_experts=config.num_moe_experts,
+                                                       moe_grouped_gemm=False)
+        parts["moe"].metainfo["fuse_pre_mlp_layernorm"] = False
+    return parts
+
+
+def _norm(config, use_te: bool):
+    """The separate (unfused) norm module of the backend: TENorm, or megatron-core's torch RMSNorm."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        backend = TESpecProvider()
+    else:
+        from megatron.core.models.backends import LocalSpecProvider
+
+        backend = LocalSpecProvider()
+    return backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False)
+
+
+def decoder_layer_specs(config, use_te: bool) -> list:
+    """One TransformerLayer spec per decoder layer of the whole model (every pipeline stage), in order."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_linear_attention_pattern, get_moe_layer_pattern)
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    parts, norm = _part_specs(config, use_te), _norm(config, use_te)
+    linear = get_linear_attention_pattern(config=config)
+    moe = get_moe_layer_pattern(config=config) if config.num_moe_experts is not None else [0] * config.num_layers
+    specs = []
+    for index in range(config.num_layers):
+        mixer = parts["gdn"] if linear[index] == 1 else parts["attention"]
+        mlp = parts["moe"] if moe[index] == 1 else parts["dense"]
+        specs.append(ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=IdentityOp if mixer.metainfo["fuse_input_layernorm"] else norm,
+            self_attention=mixer,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp if mlp.metainfo["fuse_pre_mlp_layernorm"] else norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        )))
+    return specs
+
+
+def decoder_block_spec(config, use_te: bool, vp_stage=None, pp_rank=None):
+    """This pipeline stage's layers of :func:`decoder_layer_specs`, sliced as upstream slices the hybrid block."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    specs = decoder_layer_specs(config, use_te)
+    if config.pipeline_model_parallel_layout is not None:
+        local_ids = config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+    return TransformerBlockSubmodules(layer_specs=[specs[i] for i in local_ids], layer_norm=_norm(config, use_te))
+
+
+def mtp_block_spec(config, use_te: bool, vp_stage=None, pp_rank=None):
+    """The MTP block (None without MTP, or on a stage without MTP layers) from the model's global last layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if not config.mtp_num_layers:
+        return None
+    return get_gpt_mtp_block_spec(config, decoder_layer_specs(config, use_te)[-1], use_transformer_engine=use_te,
+                                  vp_stage=vp_stage, pp_rank=pp_rank)
