@@ -17,5 +17,6 @@ def cast_bf16(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
     with run.commit(STEP, command=step_command(run, STEP)) as out:
         report = cast(run.step_dir("base-train") / "checkpoint", out.dir / "checkpoint")
         out.details.update(checkpoint="checkpoint", tensors=report.tensors, cast=report.cast,
-                           bytes_in=report.bytes_in, bytes_out=report.bytes_out)
+                           bytes_in=report.bytes_in, bytes_out=report.bytes_out, buffers_kept=report.buffers,
+                           optimizer_files_kept=len(report.optimizer_files))
     return run.manifest(STEP)

@@ -20,5 +20,5 @@ def convert(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
                                     out.dir / "checkpoint", core_version=config.training.megatron_core_version)
         out.details.update(checkpoint="checkpoint", core_version=config.training.megatron_core_version,
                            iteration=report.iteration, keys_in=report.keys_in, keys_out=report.keys_out,
-                           dtype=report.dtype, output_validated=report.output_validated)
+                           dtype=report.dtype, output_validated=report.output_validated, notes=report.notes)
     return run.manifest(STEP)
