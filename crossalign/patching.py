@@ -8,6 +8,9 @@ numbers, so that one patch fits several releases whose lines moved or were re-in
   without leading whitespace) becomes the ``replace`` lines, re-indented to where they land.
 - ``add_method``: every class whose name matches ``class_pattern`` in the files matching
   ``files`` gets ``method`` (its ``text``) appended to its body unless it already has one.
+  ``classes: site`` instead of a pattern targets the classes the site names (the Qwen3.5 model
+  classes of a MindFormers fork, ``mindformers.qwen35_class``): public MindFormers has none, so
+  no pattern could know them; check and apply then take them as ``classes``.
 
 Every patch in a tree is in one of four states: ``applied`` (nothing left to do),
 ``applicable`` (every edit finds its place), ``not-needed`` (the framework version is outside
@@ -24,7 +27,7 @@ import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 import yaml
 
@@ -53,12 +56,13 @@ class Replace:
 @dataclass(frozen=True)
 class AddMethod:
     files: str
-    class_pattern: str
+    class_pattern: str | None  # None: the classes the site names
     method: str
     text: str
 
     def label(self, index: int) -> str:
-        return f"{self.files}, edit {index} (method {self.method} on classes /{self.class_pattern}/)"
+        target = f"classes /{self.class_pattern}/" if self.class_pattern else "the site's classes"
+        return f"{self.files}, edit {index} (method {self.method} on {target})"
 
 
 Edit = Replace | AddMethod
@@ -138,7 +142,10 @@ def _edit_from_dict(raw: dict, where: str) -> Edit:
             return Replace(file=raw["file"], scope=raw["scope"], find=_lines(raw["find"]),
                            replace=_lines(raw["replace"]), occurrences=(int(low), int(high)))
         if kind == "add_method":
-            return AddMethod(files=raw["files"], class_pattern=raw["class_pattern"], method=raw["method"],
+            if raw.get("classes") not in (None, "site"):
+                raise PatchError(f"{where}: classes: {raw['classes']!r} (only 'site' is known)")
+            pattern = None if raw.get("classes") == "site" else raw["class_pattern"]
+            return AddMethod(files=raw["files"], class_pattern=pattern, method=raw["method"],
                              text=textwrap.dedent(raw["text"]).strip("\n"))
     except KeyError as exc:
         raise PatchError(f"{where}: edit of kind {kind!r} lacks the key {exc.args[0]!r}") from None
@@ -264,8 +271,27 @@ def _matching_classes(tree: ast.AST, pattern: re.Pattern[str]) -> list[ast.Class
     return [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and pattern.search(n.name)]
 
 
-def _check_add_method(edit: AddMethod, root: Path, label: str, staged: dict[Path, str]) -> EditReport:
-    pattern = re.compile(edit.class_pattern)
+def _class_regex(edit: AddMethod, classes: Sequence[str]) -> re.Pattern[str]:
+    return re.compile(edit.class_pattern or "^(" + "|".join(map(re.escape, classes)) + ")$")
+
+
+def defined_classes(root: Path, files: str, names: Sequence[str]) -> dict[str, list[str]]:
+    """Where each of ``names`` is defined in the files matching ``files`` under root (empty list: nowhere)."""
+    found: dict[str, list[str]] = {name: [] for name in names}
+    pattern = re.compile("^(" + "|".join(map(re.escape, names)) + ")$")
+    for path in sorted(Path(root).glob(files)):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except SyntaxError:
+            continue
+        for cls in _matching_classes(tree, pattern):
+            found[cls.name].append(str(path.relative_to(root)))
+    return found
+
+
+def _check_add_method(edit: AddMethod, root: Path, label: str, staged: dict[Path, str],
+                      classes: Sequence[str]) -> EditReport:
+    pattern = _class_regex(edit, classes)
     changes: dict[Path, str] = {}
     having, lacking = [], []
     for path in sorted(root.glob(edit.files)):
@@ -292,33 +318,38 @@ def _check_add_method(edit: AddMethod, root: Path, label: str, staged: dict[Path
                 lines[end:end] = body
             changes[path] = "".join(lines)
     if not having and not lacking:
-        return EditReport(label, "conflict", f"no class matching /{edit.class_pattern}/ in {root / edit.files}")
+        return EditReport(label, "conflict", f"no class matching /{pattern.pattern}/ in {root / edit.files}")
     detail = "; ".join(filter(None, [f"has it: {', '.join(having)}" if having else "",
                                      f"lacks it: {', '.join(lacking)}" if lacking else ""]))
     return EditReport(label, "applicable" if lacking else "applied", detail, changes)
 
 
-def _check_edit(edit: Edit, root: Path, index: int, staged: dict[Path, str] | None = None) -> EditReport:
+def _check_edit(edit: Edit, root: Path, index: int, classes: Sequence[str],
+                staged: dict[Path, str] | None = None) -> EditReport:
     """One edit against the tree, seen through the texts already staged by earlier edits."""
     label = edit.label(index)
     if isinstance(edit, Replace):
         return _check_replace(edit, root, label, staged or {})
-    return _check_add_method(edit, root, label, staged or {})
+    return _check_add_method(edit, root, label, staged or {}, classes)
 
 
 # ---- check and apply --------------------------------------------------------------------------
 
 
-def check_patch(patch: Patch, root: Path) -> PatchReport:
-    """Where the patch stands in the tree at root; reads only."""
+def check_patch(patch: Patch, root: Path, classes: Sequence[str] = ()) -> PatchReport:
+    """Where the patch stands in the tree at root; reads only. ``classes``: the site's classes (``classes: site``)."""
     root = Path(root)
     if not root.is_dir():
         raise PatchError(f"{root}: not a directory (expected a {patch.framework} checkout)")
+    if not classes and any(isinstance(e, AddMethod) and e.class_pattern is None for e in patch.edits):
+        raise PatchError(f"patch {patch.name} targets the Qwen3.5 model classes of your MindFormers fork (public "
+                         "MindFormers has none): name them in the site config (mindformers.qwen35_class) "
+                         "or with --qwen35-class")
     version = framework_version(root, patch.framework)
     if version is not None and not patch.needed_for(version):
         return PatchReport(patch, root, "not-needed", f"version {'.'.join(map(str, version))} is outside "
                            f"{patch.needed_range}", version)
-    edits = [_check_edit(edit, root, i) for i, edit in enumerate(patch.edits, 1)]
+    edits = [_check_edit(edit, root, i, classes) for i, edit in enumerate(patch.edits, 1)]
     conflicts = [e for e in edits if e.status == "conflict"]
     if conflicts:
         return PatchReport(patch, root, "conflict", "; ".join(f"{e.label}: {e.detail}" for e in conflicts),
@@ -336,23 +367,23 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def apply_patch(patch: Patch, root: Path) -> PatchReport:
+def apply_patch(patch: Patch, root: Path, classes: Sequence[str] = ()) -> PatchReport:
     """Apply the patch if it is applicable; a no-op when applied or not needed; PatchError on a conflict.
 
     Each edit is checked against the text the previous edits left (staged in memory), so two edits of
     one file compose; files are written (atomically) only once every edit fits.
     """
-    report = check_patch(patch, root)
+    report = check_patch(patch, root, classes)
     if report.status == "conflict":
         raise PatchError(f"patch {patch.name} does not fit {root}: {report.detail}")
     if report.status != "applicable":
         return report
     pending: dict[Path, str] = {}
     for index, edit in enumerate(patch.edits, 1):
-        pending.update(_check_edit(edit, Path(root), index, pending).changes)
+        pending.update(_check_edit(edit, Path(root), index, classes, pending).changes)
     for path, text in pending.items():
         _write_atomically(path, text)
-    after = check_patch(patch, root)
+    after = check_patch(patch, root, classes)
     if after.status != "applied":
         raise PatchError(f"patch {patch.name}: after applying, the tree reads as {after.status}: {after.detail}")
     return after

@@ -9,7 +9,8 @@ One YAML file per site (``crossalign.site.yaml`` in the working directory, or th
 store: /mnt/shared/crossalign-runs      # every agent mounts the same path
 backends: {npu: mindformers, gpu: megatron}
 mindformers:
-  path: /opt/mindformers                # a MindFormers checkout
+  path: /opt/mindformers                # a MindFormers fork with Qwen3.5 (public MindFormers has none)
+  qwen35_class: PyNativeQwen35ForCausalLM    # its Qwen3.5 pynative training class (qwen35_moe_class: its MoE one)
   python: /usr/local/python3.9/bin/python3   # the framework's own interpreter
   nproc_per_node: 8
   env: {ASCEND_RT_VISIBLE_DEVICES: "0,1,2,3,4,5,6,7"}
@@ -69,12 +70,24 @@ class FrameworkSite(_Strict):
     workdir: Path | None = Field(default=None, description="working directory on the remote host")
 
 
+class MindFormersSite(FrameworkSite):
+    """The MindFormers fork. Public MindFormers has no Qwen3.5 model, so the site names the fork's classes."""
+
+    qwen35_class: str | None = Field(default=None, description="the fork's Qwen3.5 pynative training class, "
+                                     "e.g. PyNativeQwen35ForCausalLM (the loss-logging patch goes there)")
+    qwen35_moe_class: str | None = Field(default=None, description="its MoE class, if the fork has a separate one")
+
+    @property
+    def qwen35_classes(self) -> tuple[str, ...]:
+        return tuple(name for name in (self.qwen35_class, self.qwen35_moe_class) if name)
+
+
 class SiteConfig(_Strict):
     store: Path = Path("runs")
     backends: dict[Literal["npu", "gpu"], Literal["local", "mindformers", "megatron"]] = Field(
         default_factory=lambda: {"npu": "local", "gpu": "local"}
     )
-    mindformers: FrameworkSite = Field(default_factory=FrameworkSite)
+    mindformers: MindFormersSite = Field(default_factory=MindFormersSite)
     megatron: FrameworkSite = Field(default_factory=FrameworkSite)
     ssh_hosts: dict[str, SshHost] = Field(default_factory=dict)
     prefect_api_url: str | None = None

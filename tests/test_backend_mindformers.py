@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ from crossalign.backends.mindformers import (
     verify_transformer_config,
 )
 from crossalign.config import load_config
-from crossalign.site import FrameworkSite, SiteConfig
+from crossalign.logs.mindformers import parse_mindformers_log
+from crossalign.site import MindFormersSite, SiteConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SPEC_LINE = ("2026-11-29 15:28:32,602 - mindformers/out/log[mindformers/pynative/callback/loss_callback.py:337] - INFO - "
@@ -112,8 +114,18 @@ def test_log_verdicts(tmp_path: Path):
 
     no_mtp = tmp_path / "nomtp.log"
     no_mtp.write_text("\n".join([finished, *step_lines(3, mtp=False)]) + "\n")
-    with pytest.raises(BackendRunError, match=r"nomtp.log:2: .*no mtp_1_loss.*get-mtp-loss patch"):
+    with pytest.raises(BackendRunError, match=r"nomtp.log: the model has MTP but the line of step 1 has no "
+                                              r"mtp_1_loss.*loss-logging patch"):
         verify_mindformers_log(no_mtp, steps=3, loaded=True, exit_status=0, mtp=True)
+
+    no_aux = tmp_path / "noaux.log"
+    no_aux.write_text("\n".join([finished, *(line.replace("load_balancing_loss:   1.012300, ", "")
+                                             for line in step_lines(3))]) + "\n")
+    verify_mindformers_log(no_aux, steps=3, loaded=True, exit_status=0, mtp=True)  # dense: not needed
+    with pytest.raises(BackendRunError, match=r"noaux.log: the model has MoE but the line of step 1 has no "
+                                              r"load_balancing_loss"):
+        verify_mindformers_log(no_aux, steps=3, loaded=True, exit_status=0, mtp=True, moe=True)
+    verify_mindformers_log(good, steps=3, loaded=True, exit_status=0, mtp=True, moe=True)
 
     unloaded = tmp_path / "unloaded.log"
     unloaded.write_text("\n".join(step_lines(3)) + "\n")
@@ -121,6 +133,27 @@ def test_log_verdicts(tmp_path: Path):
         verify_mindformers_log(unloaded, steps=3, loaded=True, exit_status=0, mtp=True)
     with pytest.raises(BackendRunError, match="exited with status 2"):
         verify_mindformers_log(good, steps=3, loaded=True, exit_status=2, mtp=True)
+
+
+def test_release_branch_lines_are_read_like_master_ones(tmp_path: Path):
+    # r1.9.0 and r2.0.0 print no consumed_samples/global_batch_size (loss_callback.py::_print_log);
+    # the log check reads lines through the log parser, as the comparison does
+    release = [line.replace("consumed_samples: 16, global_batch_size: 8, ", "") for line in step_lines(3)]
+    assert "consumed_samples" not in release[0]
+    log = tmp_path / "r2.0.0.log"
+    log.write_text("\n".join(["x - INFO - Loading Checkpoint Finished", *release]) + "\n")
+    verify_mindformers_log(log, steps=3, loaded=True, exit_status=0, mtp=True, moe=True)
+    assert parse_step_line(release[1]) == parse_step_line(step_lines(3)[1])
+    frame = parse_mindformers_log(log)
+    assert list(frame["step"]) == [1, 2, 3] and frame["aux_loss"].notna().all()
+
+    # a non-last pipeline stage prints 'loss: N/A (...)': steps the comparison cannot read are not logged steps
+    stage = [re.sub(r"loss:  11.912346, .*?grad_norm", "loss: N/A (non-last PP stage, refer to last stage for "
+                    "real loss), per_step_time:   1530ms, grad_norm", line) for line in release]
+    assert "loss: N/A (non-last PP stage" in stage[0]
+    log.write_text("\n".join(["x - INFO - Loading Checkpoint Finished", *stage]) + "\n")
+    with pytest.raises(BackendRunError, match=r"steps 1..3 of 3 were never logged"):
+        verify_mindformers_log(log, steps=3, loaded=True, exit_status=0, mtp=False)
 
 
 def request_for(tmp_path: Path, mode: str, steps: list) -> TrainRequest:
@@ -141,7 +174,7 @@ def checkout(tmp_path: Path) -> Path:
 
 
 def site_for(checkout: Path, **env: str) -> SiteConfig:
-    return SiteConfig(mindformers=FrameworkSite(path=checkout, python=sys.executable, nproc_per_node=1, env=env))
+    return SiteConfig(mindformers=MindFormersSite(path=checkout, python=sys.executable, nproc_per_node=1, env=env))
 
 
 @pytest.mark.timeout(60)
@@ -215,7 +248,7 @@ def test_missing_mtp_loss_fails_the_run(tmp_path: Path, checkout: Path):
 
 
 def test_several_cards_use_msrun(tmp_path: Path, checkout: Path):
-    site = SiteConfig(mindformers=FrameworkSite(path=checkout, python="python3", nproc_per_node=4))
+    site = SiteConfig(mindformers=MindFormersSite(path=checkout, python="python3", nproc_per_node=4))
     request = request_for(tmp_path, "align", [])
     script = MindFormersBackend(site=site).run_script(request, tmp_path / "x.yaml").render()
     for needle in ("-m mindspore.parallel.cluster.run", "--worker_num=4", "--local_worker_num=4", "--join=True",

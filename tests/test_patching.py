@@ -16,6 +16,7 @@ from crossalign.cli import app
 from crossalign.patching import PatchError, apply_patch, check_patch, load_patch, load_patches, parse_version
 
 FIXTURES = Path(__file__).parent / "fixtures"
+QWEN35_CLASSES = ("PyNativeQwen35ForCausalLM", "PyNativeQwen35MoeForCausalLM")  # the fixture fork's classes
 # the installed megatron-core's version file, found without importing megatron.core (slow, noisy)
 INSTALLED_PACKAGE_INFO = Path(importlib.util.find_spec("megatron").submodule_search_locations[0]) / "core" / "package_info.py"
 
@@ -51,7 +52,7 @@ def load_module(path: Path, name: str):
 
 def test_shipped_patches_parse_with_their_version_ranges():
     names = {p.name for p in load_patches()}
-    assert names == {"megatron-mtp-gdn", "megatron-weights-only", "mindformers-qwen35-get-mtp-loss"}
+    assert names == {"megatron-mtp-gdn", "megatron-weights-only", "mindformers-qwen35-loss-logging"}
     mtp = load_patch("megatron-mtp-gdn")
     assert (mtp.needed_from, mtp.needed_before) == ((0, 16, 0), (0, 19, 0))
     assert mtp.needed_for((0, 16, 1)) and mtp.needed_for((0, 18, 2))
@@ -82,11 +83,11 @@ def test_mtp_gdn_patch_changes_which_layer_the_mtp_block_gets(megatron_tree: Pat
 
 def test_apply_twice_is_a_noop(megatron_tree: Path, mindformers_tree: Path):
     for patch, root, path in ((load_patch("megatron-mtp-gdn"), megatron_tree, megatron_tree / "gpt_builders.py"),
-                              (load_patch("mindformers-qwen35-get-mtp-loss"), mindformers_tree,
+                              (load_patch("mindformers-qwen35-loss-logging"), mindformers_tree,
                                mindformers_tree / "mindformers/models/qwen3_5/modeling_qwen3_5_train_pynative.py")):
-        apply_patch(patch, root)
+        apply_patch(patch, root, QWEN35_CLASSES)
         text, mtime = path.read_text(), path.stat().st_mtime_ns
-        report = apply_patch(patch, root)
+        report = apply_patch(patch, root, QWEN35_CLASSES)
         assert report.status == "applied"
         assert path.read_text() == text and path.stat().st_mtime_ns == mtime
 
@@ -130,33 +131,75 @@ def test_versions_outside_the_range_do_not_need_the_mtp_patch(megatron_tree: Pat
     assert (megatron_tree / "gpt_builders.py").read_text() == before
 
 
-def test_get_mtp_loss_patch_adds_a_working_delegate(mindformers_tree: Path):
-    patch = load_patch("mindformers-qwen35-get-mtp-loss")
-    report = check_patch(patch, mindformers_tree)
+def test_loss_logging_patch_adds_the_methods_loss_callback_calls(mindformers_tree: Path):
+    # LossCallback calls these on the top model (loss_callback.py, r2.0.0 lines 160-201)
+    patch = load_patch("mindformers-qwen35-loss-logging")
+    report = check_patch(patch, mindformers_tree, QWEN35_CLASSES)
     assert report.status == "applicable"
     assert "PyNativeQwen35ForCausalLM" in report.detail and "PyNativeQwen35MoeForCausalLM" in report.detail
     other = (mindformers_tree / "mindformers/models/other/modeling_other.py").read_text()
-    apply_patch(patch, mindformers_tree)
+    apply_patch(patch, mindformers_tree, QWEN35_CLASSES)
     module = load_module(mindformers_tree / "mindformers/models/qwen3_5/modeling_qwen3_5_train_pynative.py", "qwen35")
-    assert module.PyNativeQwen35ForCausalLM().get_mtp_loss("group", 2) == [3.0]
-    assert "get_mtp_loss" in vars(module.PyNativeQwen35MoeForCausalLM)
+    dense, moe = module.PyNativeQwen35ForCausalLM(), module.PyNativeQwen35MoeForCausalLM()
+    assert dense.get_mtp_loss("group", 2) == [3.0]
+    assert moe.get_load_balancing_loss("group", 2, "pp", 1, has_last=True) == 1.25
+    assert dense.get_load_balancing_loss("group", 2, "pp", 1, has_last=True) is None  # dense: no aux loss
+    moe.reset_model_temporary_tensors()
+    assert moe.model.resets == 1
+    for method in ("get_mtp_loss", "get_load_balancing_loss", "reset_model_temporary_tensors"):
+        assert method in vars(module.PyNativeQwen35MoeForCausalLM), method
     assert (mindformers_tree / "mindformers/models/other/modeling_other.py").read_text() == other
 
 
-def test_get_mtp_loss_patch_without_target_classes_is_a_conflict(mindformers_tree: Path):
+def test_loss_logging_patch_targets_only_the_classes_the_site_names(mindformers_tree: Path):
+    patch = load_patch("mindformers-qwen35-loss-logging")
+    with pytest.raises(PatchError, match="targets the Qwen3.5 model classes of your MindFormers fork.*"
+                                         "mindformers.qwen35_class"):
+        check_patch(patch, mindformers_tree)
+    apply_patch(patch, mindformers_tree, ["PyNativeQwen35MoeForCausalLM"])
+    module = load_module(mindformers_tree / "mindformers/models/qwen3_5/modeling_qwen3_5_train_pynative.py", "only")
+    assert "get_mtp_loss" in vars(module.PyNativeQwen35MoeForCausalLM)
+    assert "get_mtp_loss" not in vars(module.PyNativeQwen35ForCausalLM)
     shutil.rmtree(mindformers_tree / "mindformers/models/qwen3_5")
-    report = check_patch(load_patch("mindformers-qwen35-get-mtp-loss"), mindformers_tree)
+    report = check_patch(patch, mindformers_tree, QWEN35_CLASSES)
     assert report.status == "conflict" and "no class matching" in report.detail
+
+
+def test_npu_probe_says_when_the_checkout_has_no_qwen35_model(mindformers_tree: Path, monkeypatch):
+    from crossalign.agents.probe import probe_pool
+    from crossalign.site import SiteConfig
+
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(mindformers_tree))
+
+    def probe(**mindformers):
+        site = SiteConfig.model_validate({"backends": {"npu": "mindformers"}, "mindformers": {
+            "path": str(mindformers_tree), "python": "/opt/none/python", **mindformers}})
+        return {c.name: c for c in probe_pool("npu", site)}
+
+    unset = probe()["MindFormers Qwen3.5 model"]
+    assert not unset.ok and "mindformers.qwen35_class is not set" in unset.detail
+    wrong = probe(qwen35_class="PyNativeQwen3ForCausalLM")
+    assert not wrong["MindFormers Qwen3.5 model"].ok
+    assert wrong["MindFormers Qwen3.5 model"].detail.startswith("this MindFormers checkout has no Qwen3.5 model: "
+                                                                "no class PyNativeQwen3ForCausalLM")
+    assert not [name for name in wrong if name.startswith("patch ")]  # no patch conflict on top of it
+    fork = probe(qwen35_class="PyNativeQwen35ForCausalLM", qwen35_moe_class="PyNativeQwen35MoeForCausalLM")
+    assert fork["MindFormers Qwen3.5 model"].ok
+    assert fork["patch mindformers-qwen35-loss-logging"].ok  # applied by the probe
+    assert fork["patch mindformers-qwen35-loss-logging"].detail.startswith("applied")
 
 
 def test_cli_check_and_apply(megatron_tree: Path, mindformers_tree: Path):
     runner = CliRunner()
-    result = runner.invoke(app, ["patch", "check", "--megatron", str(megatron_tree), "--mindformers", str(mindformers_tree)],
-                           env={"COLUMNS": "250"})
+    classes = [arg for name in QWEN35_CLASSES for arg in ("--qwen35-class", name)]
+    result = runner.invoke(app, ["patch", "check", "--megatron", str(megatron_tree), "--mindformers", str(mindformers_tree),
+                                 *classes], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     assert result.output.count("applicable") == 3
-    result = runner.invoke(app, ["patch", "apply", "--megatron", str(megatron_tree), "--mindformers", str(mindformers_tree)],
-                           env={"COLUMNS": "250"})
+    result = runner.invoke(app, ["patch", "check", "--mindformers", str(mindformers_tree)], env={"COLUMNS": "250"})
+    assert result.exit_code == 2 and "mindformers.qwen35_class" in result.output
+    result = runner.invoke(app, ["patch", "apply", "--megatron", str(megatron_tree), "--mindformers", str(mindformers_tree),
+                                 *classes], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
     assert check_patch(load_patch("megatron-mtp-gdn"), megatron_tree).status == "applied"
     assert check_patch(load_patch("megatron-weights-only"), megatron_tree).status == "applicable"  # optional: opt-in

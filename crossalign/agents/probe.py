@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from crossalign.site import FrameworkSite, SiteConfig
+from crossalign.site import FrameworkSite, MindFormersSite, SiteConfig
 
 Pool = Literal["orchestrator", "npu", "cpu", "gpu"]
 POOLS: tuple[str, ...] = ("orchestrator", "npu", "cpu", "gpu")
@@ -103,18 +103,36 @@ def _checkout(label: str, framework: FrameworkSite, marker: str) -> Check:
     return Check(label, True, str(path))
 
 
+def _qwen35_model(framework: MindFormersSite) -> Check:
+    """The fork's Qwen3.5 classes (site ``qwen35_class``) exist in the checkout: public MindFormers has none."""
+    from crossalign.patching import defined_classes
+
+    label = "MindFormers Qwen3.5 model"
+    if not framework.qwen35_classes:
+        return Check(label, False, "mindformers.qwen35_class is not set in the site config: name the Qwen3.5 "
+                     "pynative training class of your MindFormers fork (public MindFormers has no Qwen3.5 model)")
+    root = Path(framework.path).expanduser()  # type: ignore[arg-type]
+    found = defined_classes(root, "mindformers/**/*.py", framework.qwen35_classes)
+    absent = [name for name, where in found.items() if not where]
+    if absent:
+        return Check(label, False, f"this MindFormers checkout has no Qwen3.5 model: no class {', '.join(absent)} "
+                     f"under {root / 'mindformers'} (public MindFormers has none; mindformers.path must be the fork)")
+    return Check(label, True, "; ".join(f"{name} in {', '.join(where)}" for name, where in found.items()))
+
+
 def _patches(framework_name: str, framework: FrameworkSite, apply: bool) -> list[Check]:
     """Check (and, with ``apply``, apply) the framework's non-optional patches; a conflict is a failed check."""
     from crossalign.patching import PatchError, apply_patch, check_patch, load_patches
 
+    classes = framework.qwen35_classes if isinstance(framework, MindFormersSite) else ()
     checks = []
     for patch in load_patches(framework_name):
         if patch.optional:
             continue
         try:
-            report = check_patch(patch, Path(framework.path).expanduser())
+            report = check_patch(patch, Path(framework.path).expanduser(), classes)
             if report.status == "applicable" and apply:
-                report = apply_patch(patch, Path(framework.path).expanduser())
+                report = apply_patch(patch, Path(framework.path).expanduser(), classes)
         except PatchError as exc:
             checks.append(Check(f"patch {patch.name}", False, str(exc)))
             continue
@@ -163,8 +181,10 @@ def _pool_checks(pool: str, site: SiteConfig, apply_patches: bool) -> list[Check
         if framework.ssh_host is not None:
             return [_remote(framework)]
         checkout = _checkout("MindFormers checkout", framework, "run_mindformer.py")
+        model = _qwen35_model(framework) if checkout.ok else None
         return (_import_checks([("mindspore", "MindSpore", True)], framework.python) + [_cann(), checkout]
-                + (_patches("mindformers", framework, apply_patches) if checkout.ok else []))
+                + ([model] if model else [])
+                + (_patches("mindformers", framework, apply_patches) if model and model.ok else []))
     if site.backends.get("gpu", "local") == "local":
         return _import_checks([("torch", "torch (CPU backend)", True), ("fla", "flash-linear-attention", True),
                                ("megatron.core", "megatron-core", True)], None) + [

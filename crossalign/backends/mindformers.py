@@ -52,6 +52,8 @@ from crossalign.backends.launch import (
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
+from crossalign.logs.common import LogFormatError, read_log_text
+from crossalign.logs.mindformers import parse_mindformers_text
 
 RUN_SCRIPT = "run_mindformers.sh"
 CHECKPOINT_PREFIX = "qwen35"
@@ -337,33 +339,61 @@ def verify_transformer_config(log_path: Path, config: AlignmentConfig) -> None:
 
 # ---- the log ---------------------------------------------------------------------------------
 
-STEP_LINE = re.compile(r"\{\s*step:\[\s*(\d+)/\s*(\d+)\]")
-_VALUE = re.compile(r"(\w+):\s*([-+0-9.eE]+|NaN)")
+STEP_LINE = re.compile(r"\{\s*step:\[\s*(\d+)\s*/\s*(\d+)\s*\]")
 _LISTED_NAME = re.compile(r"\s- (\S+)\s*$")
-METRIC_NAMES = {"loss": "lm_loss", "lr": "lr", "grad_norm": "grad_norm", "load_balancing_loss": "aux_loss",
-                "per_step_time": "step_time_ms"}
+PYNATIVE = "mindformers-pynative"
+METRICS = ("lm_loss", "aux_loss", "lr", "grad_norm", "step_time_ms")
 
 
 def parse_step_line(line: str) -> tuple[int, int, dict[str, float]] | None:
-    """(step, total, metrics) of a pynative LossCallback line, for progress; None for other lines."""
+    """(step, total, metrics) of a pynative LossCallback line, for progress; None for other lines.
+
+    The line is read by the log parser (``crossalign.logs.mindformers``), so progress, the log
+    check and the comparison accept the same lines: master's with ``consumed_samples``, and the
+    release branches' (r1.9.0, r2.0.0) without.
+    """
     match = STEP_LINE.search(line)
     if not match:
         return None
-    metrics: dict[str, float] = {}
-    for name, value in _VALUE.findall(line[match.end():]):
-        key = METRIC_NAMES.get(name) or (name if re.fullmatch(r"mtp_\d+_loss", name) else None)
-        if key:
-            metrics[key] = float(value)
-    return int(match.group(1)), int(match.group(2)), metrics
+    try:
+        frame = parse_mindformers_text(Path("<line>"), line + "\n", fmt=PYNATIVE)
+    except LogFormatError:
+        return None
+    row = frame.iloc[-1]
+    names = [name for name in frame.columns if name in METRICS or re.fullmatch(r"mtp_\d+_loss", name)]
+    metrics = {name: float(row[name]) for name in names if not math.isnan(row[name])}
+    return int(row["step"]), int(match.group(2)), metrics
 
 
-def verify_mindformers_log(log_path: Path, *, steps: int, loaded: bool, exit_status: int, mtp: bool) -> None:
-    """Raise BackendRunError unless the log shows a complete load (when asked) and steps 1..N (with MTP losses)."""
+def _step_frame(log_path: Path):
+    """The log's pynative steps as the log parser reads them; None when it holds no step line."""
+    text, truncated = read_log_text(log_path)
+    try:
+        return parse_mindformers_text(log_path, text, truncated=truncated, fmt=PYNATIVE)
+    except LogFormatError:
+        return None
+
+
+def _first_step_without(frame, column: str) -> int | None:
+    """The first logged step whose line lacks ``column`` (None when every line has it)."""
+    if frame is None or not len(frame):
+        return None
+    if column not in frame.columns:
+        return int(frame["step"].iloc[0])
+    lacking = frame["step"][frame[column].isna()]
+    return int(lacking.iloc[0]) if len(lacking) else None
+
+
+def verify_mindformers_log(log_path: Path, *, steps: int, loaded: bool, exit_status: int, mtp: bool,
+                           moe: bool = False) -> None:
+    """Raise BackendRunError unless the log shows a complete load (when asked) and steps 1..N, with the
+    MTP losses (``mtp``) and the MoE aux loss (``moe``) on every step line.
+
+    The step lines are read by the log parser, the same reading the comparison makes.
+    """
     if not log_path.exists():
         raise BackendRunError(f"{log_path}: MindFormers wrote no log (exit status {exit_status})")
-    seen: set[int] = set()
     load_finished = False
-    without_mtp: tuple[int, str] | None = None
     lines = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
     for number, line in enumerate(lines, start=1):
         where = f"{log_path}:{number}: {line.strip()[:300]}"
@@ -373,23 +403,25 @@ def verify_mindformers_log(log_path: Path, *, steps: int, loaded: bool, exit_sta
                                   + (f" (first names: {', '.join(names)})" if names else ""))
         if "Loading Checkpoint Finished" in line:
             load_finished = True
-        parsed = parse_step_line(line)
-        if parsed:
-            seen.add(parsed[0])
-            if mtp and without_mtp is None and not any(k.startswith("mtp_") for k in parsed[2]):
-                without_mtp = (number, line.strip()[:300])
     if exit_status != 0:
         raise BackendRunError(f"MindFormers exited with status {exit_status}; end of {log_path}:\n"
                               f"{failure_summary(log_path)}")
     if loaded and not load_finished:
         raise BackendRunError(f"{log_path}: no 'Loading Checkpoint Finished' line: the checkpoint was not loaded")
+    frame = _step_frame(log_path)
+    seen = set() if frame is None else {int(step) for step in frame["step"]}
     absent = missing_steps(seen, steps)
     if absent:
         raise BackendRunError(f"{log_path}: steps {absent[0]}..{absent[-1]} of {steps} were never logged "
                               f"(last logged: {max(seen) if seen else 0}); end of the log:\n{failure_summary(log_path)}")
-    if without_mtp is not None:
-        raise BackendRunError(f"{log_path}:{without_mtp[0]}: the model has MTP but the step line has no mtp_1_loss "
-                              f"(apply the mindformers-qwen35-get-mtp-loss patch): {without_mtp[1]}")
+    patch = ("apply the mindformers-qwen35-loss-logging patch to the fork's Qwen3.5 classes; MindFormers "
+             "r1.9.0's LossCallback logs neither loss whatever the model has")
+    for wanted, column, name in ((mtp, "mtp_1_loss", "mtp_1_loss"), (moe, "aux_loss", "load_balancing_loss")):
+        step = _first_step_without(frame, column) if wanted else None
+        if step is not None:
+            kind = "MTP" if column == "mtp_1_loss" else "MoE"
+            raise BackendRunError(f"{log_path}: the model has {kind} but the line of step {step} has no {name} "
+                                  f"(LossCallback asks the top model for it: {patch})")
 
 
 def find_checkpoint(save_dir: Path) -> Path:
@@ -462,7 +494,7 @@ class MindFormersBackend(FrameworkBackend):
         start = time.monotonic()
         status = self._runner(script, request.log_path, on_line)
         verify_mindformers_log(request.log_path, steps=steps, loaded=loaded, exit_status=status,
-                               mtp=request.config.model.mtp_num_layers > 0)
+                               mtp=request.config.model.mtp_num_layers > 0, moe=request.config.model.is_moe)
         verify_transformer_config(request.log_path, request.config)
         checkpoint = find_checkpoint(request.checkpoint_dir) if save else None
         return TrainResult(log_path=request.log_path, checkpoint_dir=checkpoint, iterations=steps,

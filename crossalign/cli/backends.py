@@ -20,6 +20,19 @@ def register(app: typer.Typer) -> None:
     app.add_typer(patch_app, name="patch")
 
 
+QWEN35_CLASS_HELP = ("The MindFormers fork's Qwen3.5 pynative training class (repeat for its MoE class); "
+                     "default: mindformers.qwen35_class / qwen35_moe_class of the site config.")
+
+
+def _qwen35_classes(given: list[str]) -> tuple[str, ...]:
+    """The classes the MindFormers loss-logging patch targets: given on the command line, else the site's."""
+    if given:
+        return tuple(given)
+    from crossalign.site import load_site
+
+    return load_site().mindformers.qwen35_classes
+
+
 def _trees(megatron: Optional[Path], mindformers: Optional[Path]) -> list[tuple[str, Path]]:
     trees = [(name, path) for name, path in (("megatron", megatron), ("mindformers", mindformers)) if path]
     if not trees:
@@ -51,12 +64,14 @@ def _print_reports(reports) -> None:
 def check(
     megatron: Optional[Path] = typer.Option(None, "--megatron", help="A Megatron-LM checkout."),
     mindformers: Optional[Path] = typer.Option(None, "--mindformers", help="A MindFormers checkout."),
+    qwen35_class: list[str] = typer.Option([], "--qwen35-class", help=QWEN35_CLASS_HELP),
 ) -> None:
     """Report each patch as applied, applicable, not-needed or conflict; exit 1 on a conflict."""
     from crossalign.patching import PatchError, check_patch, load_patches
 
     with user_errors(PatchError):
-        reports = [check_patch(p, root) for framework, root in _trees(megatron, mindformers)
+        classes = _qwen35_classes(qwen35_class)
+        reports = [check_patch(p, root, classes) for framework, root in _trees(megatron, mindformers)
                    for p in load_patches(framework)]  # type: ignore[arg-type]
     _print_reports(reports)
     if any(r.status == "conflict" for r in reports):
@@ -69,6 +84,7 @@ def apply(
     mindformers: Optional[Path] = typer.Option(None, "--mindformers", help="A MindFormers checkout."),
     patch: list[str] = typer.Option([], "--patch", help="Apply only these patches (also the only way to apply "
                                     "an optional one, e.g. megatron-weights-only)."),
+    qwen35_class: list[str] = typer.Option([], "--qwen35-class", help=QWEN35_CLASS_HELP),
 ) -> None:
     """Apply the needed patches; already applied is a no-op, a conflict is an error naming the file and edit."""
     from crossalign.patching import PatchError, apply_patch, load_patches
@@ -80,7 +96,7 @@ def apply(
             for p in load_patches(framework):  # type: ignore[arg-type]
                 if (chosen and p.name not in chosen) or (not chosen and p.optional):
                     continue
-                reports.append(apply_patch(p, root))
+                reports.append(apply_patch(p, root, _qwen35_classes(qwen35_class)))
         unknown = chosen - {r.patch.name for r in reports}
         if unknown:
             raise PatchError(f"no such patch for the given trees: {', '.join(sorted(unknown))}")
