@@ -207,8 +207,10 @@ def test_a_multi_rank_checkpoint_converts_as_one_rank_does(tmp_path, moe_weights
         a, b = torch.load(file, weights_only=True)["model"], torch.load(other, weights_only=True)["model"]
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
-    cast = cast_bf16(source, tmp_path / "bf16")  # rank files stay, metadata.json follows the new dtypes
-    assert len(cast.files) == 2
+    calls = []
+    cast = cast_bf16(source, tmp_path / "bf16", progress=lambda done, total, name: calls.append((done, total)))
+    assert len(cast.files) == 2  # rank files stay, metadata.json follows the new dtypes
+    assert calls[-1][0] == calls[-1][1] == cast.tensors
     meta = json.loads((tmp_path / "bf16" / "iteration_00000006" / "metadata.json").read_text())
     dtypes = {n: e["properties"]["dtype"] for n, e in meta["state_dict_metadata"].items()}
     assert dtypes["output_layer.weight"] == "BFloat16" and dtypes["decoder.layers.0.mlp.tokens_per_expert"] == "Float32"

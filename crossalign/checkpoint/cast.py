@@ -103,8 +103,7 @@ def cast_bf16(input_dir: Path, output_dir: Path, progress: Progress | None = Non
         raise CheckpointError(f"{directory}: unexpected folder {folders[0].name} in a checkpoint folder")
     model_files = checkpoint.model_files
     optimizer_files = [file for file in checkpoint.files if file not in model_files]
-    total = sum(len(piece_list) for name, piece_list in checkpoint.pieces.items()
-                if "-opt-" not in piece_list[0].file.name)
+    total = sum(len(read_header(file)[0]) for file in model_files)  # every rank's copy is cast
     done = 0
     counts = [0, 0, 0, 0, 0]
 

@@ -9,6 +9,8 @@ the router and the shared-expert gate are replicated. Pipeline stages take an eq
 the decoder layers, renumbered from 0; the first stage holds the embedding, the last the
 final norm, the output layer and the MTP block, which shares the embedding and so holds a
 copy of it too (as Megatron builds it).
+
+``mindformers_split_dim`` says the same for a MindFormers checkpoint saved by several ranks.
 """
 
 from __future__ import annotations
