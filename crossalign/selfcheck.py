@@ -40,7 +40,7 @@ class Checkpoints:
 
     mindformers: Path
     megatron: Path
-    huggingface: Path
+    huggingface: Path | None  # None when the model has no Hugging Face form
 
 
 @dataclass(frozen=True)
@@ -271,16 +271,42 @@ def _make_checkpoints(config: AlignmentConfig, workdir: Path, ms_ckpt: Path | No
     return ms_ckpt, mg_ckpt
 
 
+def _from_huggingface(config: AlignmentConfig, workdir: Path, hf_ckpt: Path) -> tuple[Path, Path]:
+    """Convert a Hugging Face checkpoint to MindFormers and to Megatron with the converter under test."""
+    from crossalign.checkpoint.convert import convert_checkpoint
+
+    ms_ckpt, mg_ckpt = workdir / "mindformers", workdir / "megatron"
+    convert_checkpoint(config.model, "hf2ms", hf_ckpt, ms_ckpt, dtype="fp32")
+    convert_checkpoint(config.model, "hf2mg", hf_ckpt, mg_ckpt, core_version=config.training.megatron_core_version,
+                       dtype="fp32")
+    return ms_ckpt, mg_ckpt
+
+
+def _to_huggingface(config: AlignmentConfig, workdir: Path, ms_ckpt: Path) -> tuple[Path | None, str]:
+    """The MindFormers checkpoint in the Hugging Face layout, or None and why the model has no such form."""
+    from crossalign.checkpoint.convert import convert_checkpoint
+    from crossalign.checkpoint.errors import CheckpointError
+
+    hf_ckpt = workdir / "huggingface"
+    try:
+        convert_checkpoint(config.model, "ms2hf", ms_ckpt, hf_ckpt, dtype="fp32")
+    except CheckpointError as exc:
+        return None, f"not run: {exc}"
+    return hf_ckpt, "converted here"
+
+
 def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None, mg_ckpt: Path | None = None,
               fault: str | None = None, seq: int | None = None, batch: int | None = None, *,
               data: Path | None = None, seed: int = 1234, tolerances: Tolerances | None = None,
               implementations: list[Implementation] | None = None,
-              on_stage: StageCallback | None = None) -> SelfcheckReport:
+              on_stage: StageCallback | None = None, hf_ckpt: Path | None = None) -> SelfcheckReport:
     """Run every implementation on one batch and compare each pair's outputs.
 
     ms_ckpt and mg_ckpt: a MindFormers checkpoint and its conversion. With ms_ckpt alone the
     converter converts it; with neither, a random model of the config (seeded) is written and
     converted. ``fault`` injects a named conversion fault (only when this function converts).
+    ``hf_ckpt``: a Hugging Face checkpoint as the source instead; it is converted to both layouts
+    here and transformers runs it as it is. Otherwise transformers runs the ms2hf conversion.
     A converted checkpoint that does not load strictly is a failed check (that implementation's
     ``load_error``); a MindFormers checkpoint that does not fit the config raises :class:`SideError`.
     """
@@ -291,31 +317,43 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
         raise SideError("a converted checkpoint needs the MindFormers checkpoint it came from (--input)")
     if fault is not None and mg_ckpt is not None:
         raise SideError("--fault applies to a conversion made here; it cannot be combined with --converted")
+    if hf_ckpt is not None and (ms_ckpt is not None or mg_ckpt is not None or fault is not None):
+        raise SideError("--hf is the source checkpoint: it cannot be combined with --input, --converted or --fault")
+    source = "huggingface" if hf_ckpt is not None else "mindformers"
     model = config.model
     seconds: dict[str, float] = {}
     the_batch = make_batch(config, seq, batch, data, seed)
     report = SelfcheckReport(
         config=model.name, batch_shape=the_batch.shape, batch_source=the_batch.source,
-        mindspore_checkpoint=str(ms_ckpt) if ms_ckpt is not None else f"random {model.name} (seed {seed})",
+        mindspore_checkpoint=str(ms_ckpt) if ms_ckpt is not None else
+        "converted here" if hf_ckpt is not None else f"random {model.name} (seed {seed})",
         megatron_checkpoint=str(mg_ckpt) if mg_ckpt is not None else
         "converted here" + (f" with fault {fault}" if fault else ""),
         fault=fault, seconds=seconds)
     # One implementation at a time: a real config's weights, model and logits must not all be in memory twice.
     with tempfile.TemporaryDirectory(prefix="crossalign-selfcheck-") as tmp:
-        if mg_ckpt is None:
-            start = time.perf_counter()
+        start = time.perf_counter()
+        if hf_ckpt is not None:
+            stage("converting the Hugging Face checkpoint")
+            ms_ckpt, mg_ckpt = _from_huggingface(config, Path(tmp), Path(hf_ckpt))
+            report.huggingface_checkpoint = str(hf_ckpt)
+        elif mg_ckpt is None:
             stage("writing and converting a checkpoint" if ms_ckpt is None else "converting the checkpoint")
             ms_ckpt, mg_ckpt = _make_checkpoints(config, Path(tmp), ms_ckpt, fault, seed)
-            seconds["convert"] = time.perf_counter() - start
-        checkpoints = Checkpoints(mindformers=Path(ms_ckpt), megatron=Path(mg_ckpt))
+        if hf_ckpt is None:
+            hf_ckpt, report.huggingface_checkpoint = _to_huggingface(config, Path(tmp), Path(ms_ckpt))
+        seconds["convert"] = time.perf_counter() - start
+        checkpoints = Checkpoints(mindformers=Path(ms_ckpt), megatron=Path(mg_ckpt), huggingface=hf_ckpt)
         for implementation in implementations or IMPLEMENTATIONS:
+            if implementation.reads == "huggingface" and hf_ckpt is None:
+                continue
             result = ImplementationResult(implementation.name, implementation.reads)
             start = time.perf_counter()
             stage(f"{implementation.name} forward")
             try:
                 result.outputs = implementation.run(config, checkpoints, the_batch)
             except SideError as exc:
-                if implementation.reads == "mindformers":
+                if implementation.reads == source:
                     raise
                 result.load_error = str(exc)
             result.seconds = seconds[implementation.name] = time.perf_counter() - start

@@ -35,10 +35,13 @@ def selfcheck_command(
     data: Optional[Path] = typer.Option(None, "--data", help="Indexed dataset prefix (or its folder): use its first "
                                         "batch instead of random tokens."),
     seed: int = typer.Option(1234, "--seed", help="Seed of the random weights and tokens."),
+    hf: Optional[Path] = typer.Option(None, "--hf", help="Hugging Face Qwen3.5 checkpoint folder as the source: "
+                                      "converted to both layouts here, run by transformers as it is."),
 ) -> None:
-    """Load a MindFormers checkpoint into the MindSpore model and its conversion into the PyTorch reference
-    and megatron-core's own GPTModel, all strictly, run one batch through each in fp32 and compare every
-    output of every pair; name the odd one out.
+    """Load a MindFormers checkpoint into the MindSpore model and its conversions into the PyTorch reference,
+    megatron-core's own GPTModel and transformers' Qwen3.5 (the public reference implementation), all
+    strictly, run one batch through each in fp32 and compare every output of every pair; name the odd one
+    out. With --hf a Hugging Face checkpoint is the source instead.
 
     Exit status 0 when every output is within tolerance, 1 when not (or when the converted
     checkpoint does not load strictly), 2 for unusable input.
@@ -58,11 +61,12 @@ def selfcheck_command(
         config = load_config(model)
         with console.status("starting") as status:
             report = selfcheck(config, input_dir, converted, fault, seq, batch, data=data, seed=seed,
-                               on_stage=lambda stage: status.update(stage))
+                               on_stage=lambda stage: status.update(stage), hf_ckpt=hf)
 
     console.print(f"{report.config}: batch {report.batch_shape[0]} x {report.batch_shape[1]} ({report.batch_source})\n"
                   f"  MindFormers checkpoint: {report.mindspore_checkpoint}\n"
-                  f"  Megatron checkpoint:    {report.megatron_checkpoint}", highlight=False)
+                  f"  Megatron checkpoint:    {report.megatron_checkpoint}\n"
+                  f"  Hugging Face checkpoint: {report.huggingface_checkpoint}", highlight=False)
     for result in report.implementations:
         if result.load_error is not None:
             console.print(f"[bold red]FAIL[/] {result.name}: the {result.checkpoint} checkpoint does not load strictly "
