@@ -4,9 +4,10 @@ The fixtures are written the way MindFormers' ``checkpoint.save_checkpoint`` wri
 rank's files by MindSpore's own ``save_checkpoint(..., format="safetensors")`` (the call MindFormers
 makes), ``common.json`` with ``CommonInfo``'s fields, and ``metadata.json`` in the format of
 ``checkpoint/metadata.py: save_metadata`` with each layout made by MindSpore's ``Layout``. The
-MindFormers wheel itself cannot be imported here: its checkpoint package pulls in the whole of
-``mindformers.core`` (jieba, rouge_chinese, tensorboardX, ...), so its format is followed as its
-reader (``load_metadata``, ``ReshardLoader``) reads it:
+MindFormers 2.1.0 wheel cannot be imported beside MindSpore 2.10's numpy<2: its checkpoint package
+imports ``mindformers.core`` (``checkpoint/layout_adapter.py``), which reaches jieba, rouge_chinese,
+``datasets`` and so pyarrow, whose wheels need numpy 2. So its format is followed as its reader
+(``load_metadata``, ``ReshardLoader``) reads it:
 
 * a tensor's ``global_offset`` is ``[slice id]``, the slice numbered row-major over its
   ``axis_fragmentations`` (``sharded_tensor.py: _rank_id_with_slice_id``), each slice
