@@ -9,7 +9,7 @@ import typer
 EXIT_CODES = {"pass": 0, "fail": 1, "invalid": 2}
 TABLE_LEAVES_OUT = ("status", "median_rel_err", "gold")  # in report.html; the reasons say what a status means
 SHORT_HEADERS = {"steps_compared": "steps", "step1_rel_err": "step 1", "mean_rel_err": "mean", "median_rel_err": "median",
-                 "max_rel_err": "max", "first_bad_step": "first bad", "passed": "pass"}
+                 "max_rel_err": "max", "comove": "co-move", "first_bad_step": "first bad", "passed": "pass"}
 
 
 def _parse_steps(text: str) -> tuple[int, ...]:
@@ -29,26 +29,37 @@ def compare(
     npu_log: Path = typer.Option(..., "--npu-log", help="MindFormers log of the NPU run (pynative or graph mode)."),
     gpu_log: Path = typer.Option(..., "--gpu-log", help="Megatron log of the GPU run (the reference)."),
     out: Path = typer.Option(..., "--out", help="Folder for summary.json, steps.csv, loss.png, report.html, report.md."),
+    model: str = typer.Option(
+        None, "--model", help="Model config (name or YAML path) of the runs: gives the core version, train_iters as "
+        "the expected steps, whether MTP and the MoE aux loss must be present, and the graph-mode MTP factor."),
     megatron_core_version: str = typer.Option(
-        "0.16.1", help="Core version that wrote the Megatron log; from 0.16 its 2nd line after a start is a mean."),
+        None, help="Core version that wrote the Megatron log (0.16-0.19 print a mean on the 2nd line after a start "
+        "with --log-interval 1). Unknown: both readings are tested against the NPU log and the report says which fits."),
+    log_interval: int = typer.Option(None, min=1, help="Megatron's --log-interval (default: inferred from the log)."),
+    expect_steps: int = typer.Option(
+        None, min=1, help="Steps the runs were to train (train_iters): fewer compared is 'invalid: incomplete'. "
+        "Default: --model's train_iters, else the whole range of the longer log."),
     exclude_steps: str = typer.Option("", help="Steps left out of mean/median/max/pearson, e.g. '2' or '1-3,10'."),
     step_threshold: float = typer.Option(0.01, help="Relative error above which a step counts as bad (fraction)."),
     mtp_loss_scaling_factor: float = typer.Option(
         None, help="Only for graph-mode logs: their mtp_loss is already multiplied by this factor."),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Render loss.png (and embed it in report.html)."),
 ) -> None:
-    """Compare the losses of the two runs: exit 0 pass, 1 fail, 2 bad input or invalid run."""
+    """Compare the losses of the two runs: exit 0 pass, 1 fail, 2 bad input or invalid (incomplete, not comparable)."""
     from rich.table import Table
 
     from crossalign.cli.common import console, user_errors
+    from crossalign.config import ConfigError, load_config
     from crossalign.logs import LogFormatError
-    from crossalign.report.compare import CompareOptions, compare_logs
+    from crossalign.report.compare import CompareOptions, compare_logs, options_from_config
     from crossalign.report.render import metric_rows
 
-    options = CompareOptions(megatron_core_version=megatron_core_version, exclude_steps=_parse_steps(exclude_steps),
-                             step_threshold=step_threshold, mtp_loss_scaling_factor=mtp_loss_scaling_factor,
-                             plot=plot)
-    with user_errors(LogFormatError):
+    given = {"megatron_core_version": megatron_core_version, "log_interval": log_interval,
+             "expect_steps": expect_steps, "exclude_steps": _parse_steps(exclude_steps),
+             "step_threshold": step_threshold, "mtp_loss_scaling_factor": mtp_loss_scaling_factor, "plot": plot}
+    with user_errors(LogFormatError, ConfigError):
+        options = options_from_config(load_config(model), **given) if model else CompareOptions(
+            **{k: v for k, v in given.items() if v is not None})
         with console.status("parsing and comparing the logs"):
             summary = compare_logs(npu_log, gpu_log, out, options)
 
@@ -62,7 +73,8 @@ def compare(
     console.print(table)
     color = {"pass": "green", "fail": "red", "invalid": "yellow"}[summary.verdict]
     console.print(f"[bold {color}]verdict: {summary.verdict.upper()}[/]"
-                  + ("  (gold standard: step 1 < 0.005%)" if summary.gold_standard else ""))
+                  + ("  (gold standard: step 1 < 0.005%)" if summary.gold_standard else "")
+                  + f"  ({summary.coverage['compared']} of {summary.coverage['expected']} expected steps compared)")
     for reason in summary.reasons:
         console.print(f"  - {reason}", highlight=False)
     for finding in summary.diagnosis:

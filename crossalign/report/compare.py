@@ -4,9 +4,13 @@
 recognised failure patterns (``diagnose``) and writes summary.json, steps.csv, loss.png,
 report.html and report.md (``render``). The schema of summary.json is in SUMMARY_SCHEMA.md.
 
-Verdict: "invalid" when a log shows the run cannot prove anything (a failed Megatron checkpoint
-load); otherwise "pass" when every required series (lm loss and each MTP loss) has a step-1
-relative error below 0.5%, a mean relative error below 1% and no NaN; otherwise "fail".
+Verdict: "invalid" when the logs cannot prove anything: a failed Megatron checkpoint load, a series
+that cannot be compared (logged by one side only, expected by the run's config and missing, graph-mode
+MTP without its factor), fewer steps compared than expected ("incomplete: N of M steps"), or too few
+steps to judge. Otherwise "pass" when every required series (lm loss and each MTP loss) has a step-1
+relative error below 0.5%, a mean relative error below 1%, no NaN, and step-to-step changes that
+co-move with the other side's; otherwise "fail": the numbers disagree. "Gold standard" is said only of
+a pass whose step 1 is within 0.005% on every required series.
 """
 
 from __future__ import annotations
@@ -15,27 +19,53 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from crossalign.logs import parse_log
 from crossalign.logs.common import step_ranges
 from crossalign.report.diagnose import diagnose
 from crossalign.report.metrics import (
-    GOLD_LIMIT, MEAN_LIMIT, STEP1_LIMIT, LrCheck, SeriesMetrics, aligned_frame, lr_check, series_metrics,
+    COMOVE_MIN, COMOVE_MIN_STEPS, GOLD_LIMIT, MEAN_LIMIT, STEP1_LIMIT, LrCheck, SeriesMetrics, aligned_frame,
+    lr_check, series_metrics,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# crossalign's Megatron backends always launch with --log-interval 1 (crossalign/backends/megatron.py,
+# the embedded trainer likewise), so inside the DAG the interval is known.
+DAG_LOG_INTERVAL = 1
 
 
 @dataclass(frozen=True)
 class CompareOptions:
-    """How to read the logs and judge them."""
+    """How to read the logs and judge them; None means unknown (then it is inferred or tested, and said)."""
 
-    megatron_core_version: str = "0.16.1"          # decides the iteration-2 mean correction
-    exclude_steps: tuple[int, ...] = ()             # left out of mean/median/max/pearson
+    megatron_core_version: str | None = None        # decides the iteration-2 reading; None: both are tested
+    log_interval: int | None = None                 # Megatron's --log-interval; None: inferred from the log
+    expect_steps: int | None = None                 # train_iters: steps 1..N must be compared; None: the longer log's range
+    mtp_expected: bool | None = None                # the model has MTP: both logs must print it
+    aux_expected: bool | None = None                # the model is MoE: both logs must print the aux loss
+    exclude_steps: tuple[int, ...] = ()             # left out of mean/median/max/pearson/comove
     step_threshold: float = MEAN_LIMIT              # a step above it is a "bad" step (first_bad_step)
     mtp_loss_scaling_factor: float | None = None    # only for graph-mode logs, whose mtp_loss is scaled
     plot: bool = True
+
+
+def options_from_config(config, **overrides) -> CompareOptions:
+    """What a run's config says about its logs (an ``AlignmentConfig``): the core version, train_iters,
+    whether MTP and the MoE aux loss must be present, and the graph-mode MTP factor (one MTP layer:
+    MindFormers prints mtp_loss scaled by factor / mtp_num_layers)."""
+    model, training = config.model, config.training
+    values = {
+        "megatron_core_version": training.megatron_core_version,
+        "expect_steps": training.train_iters,
+        "mtp_expected": model.mtp_num_layers > 0,
+        "aux_expected": model.is_moe,
+        "mtp_loss_scaling_factor": model.mtp_loss_scaling_factor / model.mtp_num_layers
+        if model.mtp_num_layers == 1 else None,
+    }
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return CompareOptions(**values)
 
 
 @dataclass
@@ -51,6 +81,8 @@ class Summary:
     lr: LrCheck
     inputs: dict[str, dict]
     criteria: dict
+    coverage: dict = field(default_factory=dict)
+    megatron_iteration2: list[dict] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -62,6 +94,8 @@ class Summary:
             "diagnosis": self.diagnosis,
             "notes": self.notes,
             "gold_standard": self.gold_standard,
+            "coverage": self.coverage,
+            "megatron_iteration2": self.megatron_iteration2,
             "criteria": self.criteria,
             "series": {name: m.to_dict() for name, m in self.series.items()},
             "lr": self.lr.to_dict(),
@@ -89,6 +123,8 @@ def _input_info(frame: pd.DataFrame) -> dict:
         "loss_is_total": bool(a.get("loss_is_total", False)), "core_version": a.get("core_version"),
         "restart_steps": a["restart_steps"], "duplicate_steps": a["duplicate_steps"],
         "corrections": a["corrections"], "invalid": a["invalid"], "notes": a["notes"],
+        "log_interval": a.get("log_interval"), "extra_losses": a.get("extra_losses", []),
+        "unreadable": a.get("unreadable", []),
     }
 
 
@@ -99,9 +135,12 @@ def _reason(m: SeriesMetrics) -> str:
     if m.status == "no_common_steps":
         return f"{m.name}: the two logs share no step"
     nan = [f"NaN/inf on {side} from step {step}" for side, step in m.first_nan_step.items() if step is not None]
+    comove = "n/a" if m.comove is None else f"{m.comove:.3f}"
     parts = [f"step-{m.step1} rel err {_pct(m.step1_rel_err)} {'<' if _below(m.step1_rel_err, STEP1_LIMIT) else '>='} "
              f"{_pct(STEP1_LIMIT)}",
              f"mean rel err {_pct(m.mean_rel_err)} {'<' if _below(m.mean_rel_err, MEAN_LIMIT) else '>='} {_pct(MEAN_LIMIT)}",
+             f"co-movement of the per-step changes {comove} {'>=' if not _below(m.comove, COMOVE_MIN) else '<'} "
+             f"{COMOVE_MIN:g}",
              *nan]
     return f"{m.name}: " + ", ".join(parts)
 
@@ -114,13 +153,101 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.4g}%"
 
 
+def _resolve_iteration2(frames: dict[str, pd.DataFrame], notes: list[str]) -> list[dict]:
+    """Megatron core version unknown: test both readings of the second line after each process start
+    (as printed, or the mean with the line before taken out) against the other log's value at that
+    step, use the one that fits, and say which and by how much. Never silent: every test is returned."""
+    tests = []
+    for side, frame in frames.items():
+        other = frames["npu" if side == "gpu" else "gpu"]
+        for found in frame.attrs.get("iteration2", []):
+            step = found["step"]
+            theirs = other.loc[other["step"] == step, "lm_loss"]
+            printed, undone = found["as_printed"].get("lm_loss"), found["mean_undone"].get("lm_loss")
+            test = {"side": side, "step": step, "first_step": found["first_step"], "as_printed": printed,
+                    "mean_undone": undone, "other": None, "err_as_printed": None, "err_mean_undone": None,
+                    "reading": "as_printed"}
+            if printed is None or theirs.empty or not np.isfinite(theirs.iloc[0]):
+                notes.append(f"{side}: Megatron core version unknown and the other log has no lm loss at step {step}: "
+                             "its line there is read as printed (pass --megatron-core-version to decide)")
+                tests.append(test)
+                continue
+            value = float(theirs.iloc[0])
+            test.update(other=value, err_as_printed=abs(printed - value) / abs(value),
+                        err_mean_undone=abs(undone - value) / abs(value))
+            if test["err_mean_undone"] < test["err_as_printed"]:
+                test["reading"] = "mean_undone"
+                row = frame.index[frame["step"] == step]
+                for name, corrected in found["mean_undone"].items():
+                    frame.loc[row, name] = corrected
+            chosen, rejected = (("the mean of steps " f"{found['first_step']} and {step} taken out", "as printed")
+                                if test["reading"] == "mean_undone" else
+                                ("as printed", f"the mean of steps {found['first_step']} and {step} taken out"))
+            notes.append(
+                f"{side}: Megatron core version unknown: at step {step} the lm loss read {chosen} "
+                f"({test[test['reading']]:.6g}) is {_pct(test['err_' + test['reading']])} from the other log "
+                f"({value:.6g}), read {rejected} it would be "
+                f"{_pct(test['err_as_printed' if test['reading'] == 'mean_undone' else 'err_mean_undone'])}: "
+                f"read {'as written by a core 0.16-0.19' if test['reading'] == 'mean_undone' else 'as written by a core without the iteration-2 mean'} "
+                "(pass --megatron-core-version to decide it instead)")
+            tests.append(test)
+    return tests
+
+
+def _log_interval(frames: dict[str, pd.DataFrame], options: CompareOptions) -> int:
+    if options.log_interval:
+        return options.log_interval
+    return max([int(f.attrs.get("log_interval") or 1) for f in frames.values()])
+
+
+def _coverage(frames: dict[str, pd.DataFrame], merged: pd.DataFrame, options: CompareOptions) -> dict:
+    """Which steps had to be compared and which were: steps 1..expect_steps, or by default the range
+    of the longer log, on the Megatron logging grid (step 1 and every log_interval-th step)."""
+    interval = _log_interval(frames, options)
+    longer = max(frames.values(), key=len)
+    if options.expect_steps:
+        low, high, basis = 1, options.expect_steps, f"expected {options.expect_steps} steps (train_iters)"
+    else:
+        low, high = int(longer["step"].iloc[0]), int(longer["step"].iloc[-1])
+        basis = f"the range of the longer log ({longer.attrs['path']}: steps {low}-{high})"
+    grid = np.arange(low, high + 1)
+    grid = grid[(grid == low) | (grid % interval == 0)]
+    both = merged.loc[merged["logged_npu"] & merged["logged_gpu"], "step"].to_numpy()
+    missing = np.setdiff1d(grid, both)
+    return {"expected": int(len(grid)), "compared": int(len(grid) - len(missing)), "basis": basis,
+            "log_interval": interval, "missing": step_ranges(missing.tolist())[:200]}
+
+
+def _not_comparable(series: dict[str, SeriesMetrics], frames: dict[str, pd.DataFrame], unusable: dict[str, str],
+                    options: CompareOptions) -> list[str]:
+    """Reasons a required or expected series cannot be compared (not a disagreement of numbers)."""
+    reasons = []
+    for m in series.values():
+        if m.status.startswith("missing_on_") and (m.required or options.aux_expected):
+            why = unusable.get(m.name)
+            reasons.append(_reason(m) + (f" ({why})" if why else ""))
+        elif m.status == "no_common_steps" and m.required:
+            reasons.append(_reason(m))
+    if options.mtp_expected and not any(name.startswith("mtp_") for name in series):
+        reasons.append("the model has MTP (config mtp_num_layers > 0) but neither log printed an MTP loss")
+    if options.aux_expected and "aux_loss" not in series:
+        absent = [side for side, f in frames.items() if "aux_loss" not in f.attrs["logged"]]
+        reasons.append(f"the model is MoE but the aux loss (load_balancing_loss) is missing on {' and '.join(absent)}")
+    return reasons
+
+
 def build_summary(npu: pd.DataFrame, gpu: pd.DataFrame,
                   options: CompareOptions | None = None) -> tuple[Summary, pd.DataFrame]:
     """Judge two parsed logs; returns the summary and the per-step frame (steps.csv)."""
     options = options or CompareOptions()
-    frames = {"npu": npu, "gpu": gpu}
+    frames = {"npu": npu.copy(), "gpu": gpu.copy()}
+    notes = ["relative error = |npu - gpu| / |gpu| per step (the gpu/Megatron side is the reference)"]
+    iteration2 = _resolve_iteration2(frames, notes)
+    npu, gpu = frames["npu"], frames["gpu"]
     unusable = {k: f"{side}: {why}" for side, f in frames.items() for k, why in f.attrs.get("unusable", {}).items()}
     names = _series_names(frames, unusable)
+    if options.aux_expected and "aux_loss" not in names and any("aux_loss" in f.attrs["logged"] for f in frames.values()):
+        names.append("aux_loss")
     merged = aligned_frame(npu, gpu, names)
     excluded = set(options.exclude_steps)
     series = {
@@ -131,16 +258,24 @@ def build_summary(npu: pd.DataFrame, gpu: pd.DataFrame,
     }
     lr = lr_check(merged)
     findings = diagnose(series, merged, frames, lr, unusable)
+    coverage = _coverage(frames, merged, options)
 
     invalid = [f"{side}: {reason}" for side, f in frames.items() for reason in f.attrs["invalid"]]
-    required = [m for m in series.values() if m.required]
+    invalid += _not_comparable(series, frames, unusable, options)
+    if coverage["compared"] < coverage["expected"]:
+        invalid.append(f"incomplete: {coverage['compared']} of {coverage['expected']} steps compared "
+                       f"({coverage['basis']}; not in both logs: {coverage['missing']})")
+    required = [m for m in series.values() if m.required and m.status == "compared"]
+    thin = [m for m in required if m.steps_compared < COMOVE_MIN_STEPS]
+    if thin:
+        invalid.append(f"too few steps to judge: {', '.join(f'{m.name} {m.steps_compared}' for m in thin)} compared, "
+                       f"at least {COMOVE_MIN_STEPS} are needed to see whether the two runs move together")
     if invalid:
         verdict, reasons = "invalid", invalid
     else:
         verdict = "pass" if required and all(m.passed for m in required) else "fail"
         reasons = [_reason(m) for m in required if (m.passed is False) == (verdict == "fail")]
 
-    notes = ["relative error = |npu - gpu| / |gpu| per step (the gpu/Megatron side is the reference)"]
     for side, f in frames.items():
         notes += [f"{side}: {note}" for note in f.attrs["notes"]]
     only = {side: set(f["step"]) - set(frames["gpu" if side == "npu" else "npu"]["step"]) for side, f in frames.items()}
@@ -148,7 +283,7 @@ def build_summary(npu: pd.DataFrame, gpu: pd.DataFrame,
         if steps:
             notes.append(f"steps only the {side} log holds (not compared): {_short_ranges(steps)}")
     if excluded:
-        notes.append(f"excluded from mean/median/max/pearson: steps {step_ranges(excluded)}")
+        notes.append(f"excluded from mean/median/max/pearson/co-movement: steps {step_ranges(excluded)}")
     for m in required:
         if m.step1 not in (None, 1):
             notes.append(f"{m.name}: the first common step is {m.step1}, used as 'step 1'")
@@ -157,15 +292,17 @@ def build_summary(npu: pd.DataFrame, gpu: pd.DataFrame,
         if logged_aux:
             notes.append(f"aux_loss is logged by {logged_aux[0]} only: not compared")
 
-    compared = [m for m in required if m.status == "compared"]
     summary = Summary(
         verdict=verdict, reasons=reasons, diagnosis=findings, notes=notes,
-        gold_standard=bool(compared) and len(compared) == len(required) and all(m.gold for m in compared),
+        gold_standard=verdict == "pass" and all(m.gold for m in required),
         series=series, lr=lr, inputs={side: _input_info(f) for side, f in frames.items()},
+        coverage=coverage, megatron_iteration2=iteration2,
         criteria={"step1_rel_err_max": STEP1_LIMIT, "mean_rel_err_max": MEAN_LIMIT,
-                  "gold_step1_rel_err_max": GOLD_LIMIT, "step_threshold": options.step_threshold,
+                  "gold_step1_rel_err_max": GOLD_LIMIT, "comove_min": COMOVE_MIN,
+                  "min_steps": COMOVE_MIN_STEPS, "step_threshold": options.step_threshold,
                   "reference": "gpu", "excluded_steps": sorted(excluded),
-                  "megatron_core_version": options.megatron_core_version},
+                  "megatron_core_version": options.megatron_core_version, "expect_steps": options.expect_steps,
+                  "mtp_expected": options.mtp_expected, "aux_expected": options.aux_expected},
     )
     return summary, merged
 
@@ -177,7 +314,7 @@ def _short_ranges(steps: set[int]) -> str:
 
 def parse_both(npu_log: Path, gpu_log: Path, options: CompareOptions) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Parse the two logs (each format detected from its content)."""
-    kwargs = {"core_version": options.megatron_core_version,
+    kwargs = {"core_version": options.megatron_core_version, "log_interval": options.log_interval,
               "mtp_loss_scaling_factor": options.mtp_loss_scaling_factor}
     return parse_log(Path(npu_log), **kwargs), parse_log(Path(gpu_log), **kwargs)
 
@@ -197,4 +334,5 @@ def compare_logs(npu_log: Path, gpu_log: Path, out_dir: Path, options: CompareOp
     return summary
 
 
-__all__ = ["CompareOptions", "Summary", "build_summary", "compare_logs", "parse_both"]
+__all__ = ["CompareOptions", "DAG_LOG_INTERVAL", "Summary", "build_summary", "compare_logs", "options_from_config",
+           "parse_both"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from crossalign.report.metrics import MEAN_LIMIT, STEP1_LIMIT, LrCheck, SeriesMetrics
+from crossalign.report.metrics import COMOVE_MIN, MEAN_LIMIT, STEP1_LIMIT, LrCheck, SeriesMetrics
 
 SPIKE_FACTOR = 10.0    # step 2 stands out when its error is this many times the others'
 SPIKE_FLOOR = 1e-4     # ... and at least 0.01%
@@ -44,19 +44,20 @@ def _megatron_step2_evidence(name: str, frames: dict[str, pd.DataFrame], npu2: f
         if corrected is not None and name in corrected["raw"]:
             alternative = corrected["raw"][name]
             if abs(alternative - other) * SPIKE_FACTOR < abs(ours - other):
-                return (f"the {side} Megatron log looks written by core < 0.16: its printed iteration-2 value "
-                        f"{alternative:.6g} matches the other side ({other:.6g}) while the mean-of-first-two "
-                        f"correction for core {frame.attrs.get('core_version')} makes it {ours:.6g}; pass the "
-                        "--megatron-core-version that wrote the log")
+                return (f"the {side} Megatron log looks written by a core without the iteration-2 mean (before "
+                        f"0.16, or 0.20 on): its printed iteration-2 value {alternative:.6g} matches the other side "
+                        f"({other:.6g}) while the mean-of-first-two correction for core "
+                        f"{frame.attrs.get('core_version')} makes it {ours:.6g}; pass the --megatron-core-version "
+                        "that wrote the log")
             return None
         first = frame.loc[frame["step"] == 1, name]
         if len(first) and np.isfinite(first.iloc[0]):
             alternative = 2 * ours - float(first.iloc[0])
             if abs(alternative - other) * SPIKE_FACTOR < abs(ours - other):
-                return (f"Megatron >= 0.16 prints the mean of iterations 1 and 2 on the iteration-2 line: "
-                        f"2*printed(2) - printed(1) = {alternative:.6g} matches the other side ({other:.6g}); "
-                        "the log was read as core < 0.16: pass --megatron-core-version 0.16.1 (or the newer "
-                        "version that wrote it)")
+                return (f"Megatron cores 0.16-0.19 print the mean of iterations 1 and 2 on the iteration-2 line "
+                        f"with --log-interval 1: 2*printed(2) - printed(1) = {alternative:.6g} matches the other "
+                        f"side ({other:.6g}); the log was read as written by a core without that mean: pass "
+                        "--megatron-core-version with the version that wrote it (0.16.0-0.19.x)")
     return None
 
 
@@ -80,7 +81,7 @@ def _step2_spike(metrics: SeriesMetrics, merged: pd.DataFrame, frames: dict[str,
         return _finding("step2_spike", head + "the lr applied at the start differs (warmup steps or warmup init "
                         "not the same on both sides), so step 1's update differs; align lr_warmup_iters / "
                         "warmup_steps and the warmup init", metrics.name, 2)
-    corrected = any(f.attrs.get("corrections") for f in frames.values())
+    corrected = any(f.attrs.get("corrections") or f.attrs.get("iteration2") for f in frames.values())
     logging = ("the Megatron mean-of-first-two logging was already undone, so it is not the cause; "
                if corrected else "")
     return _finding("step2_spike", head + logging + "the applied lr agrees, so step 1's update itself differs: "
@@ -107,12 +108,15 @@ def _offset_or_mismatch(metrics: SeriesMetrics, merged: pd.DataFrame) -> dict | 
 
 
 def _uncorrelated(metrics: SeriesMetrics) -> dict | None:
-    if metrics.pearson is None or metrics.steps_compared < 8 or metrics.pearson >= 0.5 or metrics.passed:
+    if metrics.comove is None or metrics.comove >= COMOVE_MIN:
         return None
+    trend = "" if metrics.pearson is None else f" although the curves correlate (pearson {metrics.pearson:.3f}) through their shared trend"
     return _finding("uncorrelated", (
-        f"{metrics.name}: the per-step losses of the two sides are barely correlated (pearson "
-        f"{metrics.pearson:.3f}): they see different samples at the same step, check the sample order "
-        "(seed 1234 on both, split, blend, cyclic vs single loader)"), metrics.name)
+        f"{metrics.name}: the two runs do not move together step by step (co-movement of the detrended per-step "
+        f"changes {metrics.comove:.3f} < {COMOVE_MIN:g}){trend}: they see different samples at the same step. "
+        "Likely cause: the sample order (seed 1234 on both, split 1,0,0, blend form, cyclic vs single loader); "
+        "run `crossalign preflight data --model CONFIG --megatron-args ... --mindformers-yaml ...` to find the "
+        "setting"), metrics.name)
 
 
 def _growing(metrics: SeriesMetrics, merged: pd.DataFrame) -> dict | None:

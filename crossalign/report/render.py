@@ -24,7 +24,7 @@ from crossalign.report.metrics import GOLD_LIMIT, MEAN_LIMIT, STEP1_LIMIT
 FILES = {"summary": "summary.json", "steps": "steps.csv", "plot": "loss.png",
          "html": "report.html", "markdown": "report.md"}
 METRIC_COLUMNS = ("status", "steps_compared", "step1_rel_err", "mean_rel_err", "median_rel_err", "max_rel_err",
-                  "pearson", "first_bad_step", "passed", "gold")
+                  "pearson", "comove", "first_bad_step", "passed", "gold")
 ZERO_FLOOR = 1e-9  # exact agreement drawn here on the log axis
 
 
@@ -106,6 +106,11 @@ def plot_losses(summary: Summary, merged: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def _coverage(summary: Summary) -> str:
+    c = summary.coverage
+    return f"{c['compared']} of {c['expected']} expected steps compared ({c['basis']})"
+
+
 def _list_md(items: list[str]) -> str:
     return "\n".join(f"- {item}" for item in items) if items else "- none"
 
@@ -116,7 +121,8 @@ def render_markdown(summary: Summary, steps: pd.DataFrame, with_plot: bool) -> s
     lines = [f"# crossalign comparison: {summary.verdict.upper()}", "",
              f"- npu log: `{summary.inputs['npu']['path']}` ({summary.inputs['npu']['format']})",
              f"- gpu log: `{summary.inputs['gpu']['path']}` ({summary.inputs['gpu']['format']})",
-             f"- gold standard (step-1 rel err < {GOLD_LIMIT * 100:g}%): {'yes' if summary.gold_standard else 'no'}",
+             f"- gold standard (a pass with step-1 rel err < {GOLD_LIMIT * 100:g}%): {'yes' if summary.gold_standard else 'no'}",
+             f"- coverage: {_coverage(summary)}",
              "", "## Reasons", _list_md(summary.reasons), "",
              "## Diagnosis", _list_md([d["message"] for d in summary.diagnosis]), "",
              "## Metrics", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -166,8 +172,9 @@ def render_html(summary: Summary, steps: pd.DataFrame, png: bytes | None) -> str
         f"<p class='verdict'>{summary.verdict.upper()}</p>",
         f"<p>npu log <code>{html.escape(summary.inputs['npu']['path'])}</code> "
         f"({html.escape(summary.inputs['npu']['format'])}), gpu log <code>{html.escape(summary.inputs['gpu']['path'])}"
-        f"</code> ({html.escape(summary.inputs['gpu']['format'])}); gold standard (step-1 rel err &lt; "
-        f"{GOLD_LIMIT * 100:g}%): {'yes' if summary.gold_standard else 'no'}</p>",
+        f"</code> ({html.escape(summary.inputs['gpu']['format'])}); gold standard (a pass with step-1 rel err &lt; "
+        f"{GOLD_LIMIT * 100:g}%): {'yes' if summary.gold_standard else 'no'}; coverage: "
+        f"{html.escape(_coverage(summary))}</p>",
         "<h2>Reasons</h2>", items(summary.reasons),
         "<h2>Diagnosis</h2>", items([d["message"] for d in summary.diagnosis]),
         "<h2>Metrics</h2>", _table_html(metric_rows(summary)),

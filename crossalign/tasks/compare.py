@@ -13,15 +13,20 @@ SUMMARY = "summary.json"
 
 
 def compare(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
-    """Commit the comparison whatever its verdict: a failed verdict is a finished result, not a failed step."""
-    from crossalign.report.compare import compare_logs
+    """Commit the comparison whatever its verdict: a failed verdict is a finished result, not a failed step.
+
+    The run's config says what the logs must show: the core version, train_iters steps, MTP and the
+    MoE aux loss when the model has them, and the graph-mode MTP factor.
+    """
+    from crossalign.report.compare import DAG_LOG_INTERVAL, compare_logs, options_from_config
 
     npu = run.manifest("pynative-train") or {}
     gpu = run.manifest("megatron-train") or {}
     npu_log = run.step_dir("pynative-train") / npu.get("details", {}).get("log", "train.log")
     gpu_log = run.step_dir("megatron-train") / gpu.get("details", {}).get("log", "train.log")
     with run.commit(STEP, command=step_command(run, STEP)) as out:
-        summary = compare_logs(npu_log, gpu_log, out.dir)
+        options = options_from_config(run.config, log_interval=DAG_LOG_INTERVAL)
+        summary = compare_logs(npu_log, gpu_log, out.dir, options)
         data = summary.to_dict()
         if not (out.dir / SUMMARY).exists():
             write_json_atomic(out.dir / SUMMARY, data)
