@@ -124,3 +124,26 @@ def test_bad_hf_input_is_named_and_nothing_is_written(hf_checkpoints, tmp_path):
         irregular = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
         model_config_from_hf({**hf, "layer_types": irregular}, "x", True)
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_imports_the_config_and_converts(hf_checkpoints, tmp_path):
+    from typer.testing import CliRunner
+
+    from crossalign.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "imported.yaml"
+    result = runner.invoke(app, ["configs", "import-hf", str(hf_checkpoints["moe"]), "--name", "tiny_moe_hf",
+                                 "--training", "qwen35_moe_tiny", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    imported = load_config(out)
+    assert imported.model.name == "tiny_moe_hf" and imported.model.num_experts == 4
+    assert imported.training == load_config("qwen35_moe_tiny").training
+    again = runner.invoke(app, ["configs", "import-hf", str(hf_checkpoints["moe"]), "--out", str(out)])
+    assert again.exit_code == 2 and "exists" in again.output
+    converted = runner.invoke(app, ["convert", "--model", str(out), "--direction", "hf2ms", "--input",
+                                    str(hf_checkpoints["moe"]), "--output", str(tmp_path / "ms")])
+    assert converted.exit_code == 0, converted.output
+    assert read_mindformers_checkpoint(tmp_path / "ms").iteration == 0
+    listing = runner.invoke(app, ["configs"])  # the bare group still lists the shipped configs
+    assert listing.exit_code == 0 and "GGGA" in listing.output

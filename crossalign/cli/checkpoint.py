@@ -64,8 +64,10 @@ def cast_bf16_command(
 
 def convert_command(
     model: str = typer.Option(..., "--model", help="Model config name or YAML path."),
-    direction: str = typer.Option(..., "--direction", help="ms2mg (MindFormers -> Megatron) or mg2ms."),
-    input_dir: Path = typer.Option(..., "--input", help="Checkpoint folder to read."),
+    direction: str = typer.Option(..., "--direction", help="ms2mg (MindFormers -> Megatron), mg2ms, hf2ms "
+                                  "(Hugging Face -> MindFormers), hf2mg or ms2hf."),
+    input_dir: Path = typer.Option(..., "--input", help="Checkpoint folder to read (a Hugging Face one: config.json "
+                                   "and model.safetensors or its shards with model.safetensors.index.json)."),
     output_dir: Path = typer.Option(..., "--output", help="New (or empty) folder to write."),
     core_version: Optional[str] = typer.Option(None, "--core-version", help="Megatron core version (decides the MTP "
                                                "key prefix); default: the config's training.megatron_core_version."),
@@ -78,7 +80,8 @@ def convert_command(
     fault: Optional[str] = typer.Option(None, "--fault", help="Inject a known conversion bug (self-check only); "
                                         "the output is then written without validation."),
 ) -> None:
-    """Convert a checkpoint between MindFormers and Megatron layouts, validated before anything is written."""
+    """Convert a checkpoint between the MindFormers, Megatron and Hugging Face layouts, validated before anything
+    is written."""
     _use_huge_pages()
     from rich.table import Table
 

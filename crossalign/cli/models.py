@@ -1,4 +1,5 @@
-"""``crossalign selfcheck``: prove a conversion with one forward pass of every implementation of the model."""
+"""``crossalign configs`` (the model configs, and ``import-hf`` to make one from a Hugging Face checkpoint) and
+``crossalign selfcheck``: prove a conversion with one forward pass of every implementation of the model."""
 
 from __future__ import annotations
 
@@ -11,9 +12,70 @@ import typer
 from crossalign.cli.common import console, user_errors
 
 
+configs_app = typer.Typer(help="The shipped model configs; import-hf makes one from a Hugging Face checkpoint.",
+                          invoke_without_command=True, no_args_is_help=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add this area's commands to app."""
+    app.add_typer(configs_app, name="configs")
     app.command("selfcheck")(selfcheck_command)
+
+
+@configs_app.callback()
+def list_configs(context: typer.Context) -> None:
+    """List the shipped model configs with the sizes derived from them."""
+    if context.invoked_subcommand is not None:
+        return
+    from rich.table import Table
+
+    from crossalign.config import CONFIG_DIR, load_config
+
+    table = Table("config", "kind", "layers", "hidden", "experts", "qkv rows", "in_proj rows", "seq", "steps")
+    for path in sorted(CONFIG_DIR.glob("*.yaml")):
+        cfg = load_config(path)
+        m, t = cfg.model, cfg.training
+        table.add_row(path.stem, m.kind, "".join("A" if k == "attention" else "G" for k in m.layer_kinds),
+                      str(m.hidden_size), str(m.num_experts or "-"), str(m.qkv_rows), str(m.in_proj_rows),
+                      str(t.seq_length), f"{t.base_train_iters}+{t.train_iters}")
+    console.print(table)
+
+
+def _config_name(directory: Path) -> str:
+    """A config name from a checkpoint folder's name: Qwen3.5-35B-A3B -> qwen3_5_35b_a3b."""
+    return "".join(c if c.isalnum() else "_" for c in directory.resolve().name.lower()).strip("_") or "hf_model"
+
+
+@configs_app.command("import-hf")
+def import_hf_command(
+    directory: Path = typer.Argument(..., help="Hugging Face Qwen3.5 checkpoint folder (config.json + safetensors)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Config name (default: from the folder name)."),
+    training: Optional[str] = typer.Option(None, "--training", help="Config whose training section to take "
+                                           "(default: the shipped qwen35_dense or qwen35_moe)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="YAML file to write (default: ./NAME.yaml)."),
+) -> None:
+    """Read a Hugging Face config.json (and whether the checkpoint carries an MTP layer) into a crossalign config."""
+    import yaml
+
+    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.checkpoint.hf import read_hf_checkpoint
+    from crossalign.config import AlignmentConfig, ConfigError, load_config
+
+    with user_errors(CheckpointError, ConfigError, OSError):
+        source = read_hf_checkpoint(directory)
+        model = source.model_config(name or _config_name(directory))
+        base = load_config(training or ("qwen35_moe" if model.is_moe else "qwen35_dense"))
+        target = out or Path(f"{model.name}.yaml")
+        if target.exists():
+            raise ConfigError(f"{target}: exists; choose another --out")
+        config = AlignmentConfig(model=model, training=base.training)
+        target.write_text(f"# imported from {directory} (crossalign configs import-hf)\n" + yaml.safe_dump(
+            config.model_dump(mode="json", exclude_none=True), sort_keys=False))
+        load_config(target)
+    console.print(f"{model.name}: {model.kind}, {model.num_layers} layers "
+                  f"({''.join('A' if k == 'attention' else 'G' for k in model.layer_kinds)}), hidden {model.hidden_size}, "
+                  f"{model.mtp_num_layers} MTP layer(s); training section from {training or base.model.name} -> {target}",
+                  highlight=False)
 
 
 def _number(value: float | None, digits: str) -> str:
