@@ -280,7 +280,7 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
         model_state = {name: torch.from_numpy(value) for name, value in trainer.values.items()}
         model_state.update({name: torch.from_numpy(count) for name, count in trainer.tokens_per_expert.items()})
         optimizer_state = {name: torch.from_numpy(value) for name, value in trainer.optimizer.state().items()}
-        optimizer_state["global_step"] = torch.tensor([total], dtype=torch.int64)  # pynative AdamW's, unfused
+        optimizer_state["global_step"] = torch.tensor([total], dtype=torch.int64)  # pynative/optimizer/adamw.py:219
         write_mindformers_checkpoint(request.checkpoint_dir, total, model_state, optimizer_state,
                                      default_common(total, gbs, total_steps=total))
         checkpoint_dir = request.checkpoint_dir
@@ -292,6 +292,7 @@ class LocalMindFormersBackend:
     """MindFormers pynative on CPU: our MindSpore Qwen3.5, MindFormers' sample order, logs and checkpoints."""
 
     name = "local-mindformers"
+    implementation = "crossalign's MindSpore Qwen3.5 (MindFormers layout, pynative on CPU)"
 
     def train(self, request: TrainRequest) -> TrainResult:
         from crossalign.data.order import batches_for
