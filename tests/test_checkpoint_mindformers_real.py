@@ -68,7 +68,8 @@ def _ms_save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
                         for n, t in tensors.items()], str(path).removesuffix(".safetensors"), format="safetensors")
 
 
-def _rank_slice(tensor: torch.Tensor, cut: tuple, mesh: dict[str, int], coords: dict[str, int]) -> tuple[int, torch.Tensor]:
+def _rank_slice(tensor: torch.Tensor, cut: tuple, mesh: dict[str, int],
+                coords: dict[str, int]) -> tuple[int, torch.Tensor]:
     """Rank ``coords``' slice of a tensor whose axis i is cut along mesh axis ``cut[i]`` ("None": not cut)."""
     fragments = [mesh.get(axis, 1) for axis in cut]
     index = [coords.get(axis, 0) for axis in cut]

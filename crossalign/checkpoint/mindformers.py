@@ -116,8 +116,8 @@ class MindFormersCheckpoint:
 
     @property
     def world_size(self) -> int:
-        """How many ranks saved it (metadata.json is written only when more than one did)."""
-        return max(1, len(self.model_files))
+        """How many ranks saved it: one model file each, with metadata.json (written only when more than one did)."""
+        return len(self.model_files) if (self.directory / METADATA).exists() else 1
 
     @property
     def model_files(self) -> list[Path]:
@@ -128,7 +128,8 @@ class MindFormersCheckpoint:
 
     def model_entries(self) -> dict[str, TensorInfo]:
         """The model's weights: neither optimizer state nor buffers."""
-        return {name: info for name, info in self.entries.items() if not self._is_optimizer(name) and not is_buffer(name)}
+        return {name: info for name, info in self.entries.items()
+                if not self._is_optimizer(name) and not is_buffer(name)}
 
     def buffer_entries(self) -> dict[str, TensorInfo]:
         return {name: info for name, info in self.entries.items() if not self._is_optimizer(name) and is_buffer(name)}
@@ -233,7 +234,8 @@ def _sharded_files(directory: Path, headers: dict[Path, list[TensorInfo]]
     for name, meta in described.items():
         shape, fragments = tuple(meta["global_shape"]), tuple(meta["axis_fragmentations"])
         if len(fragments) != len(shape) or any(f < 1 or size % f for size, f in zip(shape, fragments)):
-            raise CheckpointError(f"{path}: {name!r} of shape {list(shape)} cannot be cut into {list(fragments)} slices")
+            raise CheckpointError(f"{path}: {name!r} of shape {list(shape)} cannot be cut into {list(fragments)} "
+                                  "slices")
         local = tuple(size // f for size, f in zip(shape, fragments))
         found: dict[int, Piece] = {}
         for chunk in meta["chunk"]:
