@@ -87,10 +87,11 @@ def test_vocab_size_argument_follows_the_null_tokenizer_of_the_core_version(vers
 
 def test_installed_null_tokenizer_gives_the_checkpoint_rows():
     """The megatron-core 0.16.1 wheel's own NullTokenizer, fed the generated --vocab-size."""
-    from crossalign.data.mcore import quiet_megatron_import
-
-    with quiet_megatron_import():
-        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+    path = PACKAGE_INFO.parent / "tokenizers" / "text" / "libraries" / "null_tokenizer.py"
+    spec = importlib.util.spec_from_file_location("null_tokenizer", path)  # the file alone: megatron.core is slow
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    NullTokenizer = module.NullTokenizer
     args = parse_megatron_args(megatron_args(load_config("qwen35_dense"), data_prefix="/d", tokenizer=None,
                                              load_dir="/ckpt"))
     assert NullTokenizer(int(args["--vocab-size"][0])).vocab_size == load_config("qwen35_dense").model.padded_vocab_size
@@ -245,6 +246,44 @@ def test_setup_errors(tmp_path: Path, checkout: Path):
     info.write_text(info.read_text().replace("MINOR = 16", "MINOR = 17"))
     with pytest.raises(BackendSetupError, match="megatron-core 0.17.1 but training.megatron_core_version is 0.16.1"):
         MegatronBackend(site=site_for(checkout)).train(request_for(tmp_path, []))
+
+
+def require_python(checkout: Path, requirement: str) -> str:
+    pyproject = checkout / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('">=3.10"', f'"{requirement}"'))
+    return f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+
+
+def test_interpreter_must_satisfy_the_checkout_requires_python(tmp_path: Path, checkout: Path):
+    # Megatron-LM core 0.17.0 on: requires-python ">=3.12" (pyproject.toml); 0.18 on imports typing.override
+    version = require_python(checkout, f">{sys.version_info.major}.{sys.version_info.minor + 1}")
+    with pytest.raises(BackendSetupError, match=rf"megatron.python {sys.executable} is Python {version}, but the "
+                                                rf"Megatron-LM checkout {checkout} requires Python >3.{sys.version_info.minor + 1}"):
+        MegatronBackend(site=site_for(checkout)).train(request_for(tmp_path, []))
+
+
+@pytest.mark.timeout(120)
+def test_gpu_probe_names_the_python_mismatch(checkout: Path):
+    from crossalign.agents.probe import probe_pool
+
+    require_python(checkout, ">=3.99")
+    site = SiteConfig(backends={"gpu": "megatron"}, megatron=FrameworkSite(path=checkout, python=sys.executable))
+    check = {c.name: c for c in probe_pool("gpu", site)}["Megatron-LM Python"]
+    assert not check.ok and "requires Python >=3.99 (requires-python in its pyproject.toml)" in check.detail
+
+
+def test_relative_checkout_and_step_paths_are_made_absolute(tmp_path: Path, checkout: Path, monkeypatch):
+    """The run script cds into the checkout: every path it names must hold from there."""
+    monkeypatch.chdir(tmp_path)
+    request = request_for(Path("."), [])
+    site = SiteConfig(megatron=FrameworkSite(path=Path(checkout.name), python=sys.executable))
+    script = MegatronBackend(site=site).write_launch(request)
+    args = parse_megatron_args((tmp_path / request.output_dir / "megatron_args.txt").read_text().split())
+    assert args["--data-path"] == [str(tmp_path / "data" / "corpus_text_document")]
+    assert args["--load"] == [str(tmp_path / "converted")]
+    text = script.read_text()
+    assert f"export PYTHONPATH={checkout}\n" in text and f"cd {checkout}\n" in text
+    assert f"{tmp_path / request.output_dir / LAUNCHER.name}" in text
 
 
 def test_launcher_swaps_the_layer_specs_only_during_an_mtp_gdn_build():

@@ -247,6 +247,20 @@ def test_missing_mtp_loss_fails_the_run(tmp_path: Path, checkout: Path):
         backend.train(request_for(tmp_path, "align", []))
 
 
+@pytest.mark.timeout(60)
+def test_relative_paths_still_hold_in_the_step_folder(tmp_path: Path, checkout: Path, monkeypatch):
+    """The run script cds into the step folder: the checkout, the YAML and its data paths are made absolute."""
+    monkeypatch.chdir(tmp_path)
+    request = request_for(Path("."), "align", [])
+    site = SiteConfig(mindformers=MindFormersSite(path=Path(checkout.name), python=sys.executable))
+    assert MindFormersBackend(site=site).train(request).iterations == 50
+    written = yaml.safe_load((tmp_path / request.output_dir / "align_train.yaml").read_text())
+    assert written["checkpoint"]["load_path"] == str(tmp_path / "bf16")
+    assert written["train_dataset"]["dataloader"]["config"]["data_path"] == [str(tmp_path / "data" /
+                                                                                 "corpus_text_document")]
+    assert f"cd {tmp_path / request.output_dir}\n" in (tmp_path / request.output_dir / "run_mindformers.sh").read_text()
+
+
 def test_several_cards_use_msrun(tmp_path: Path, checkout: Path):
     site = SiteConfig(mindformers=MindFormersSite(path=checkout, python="python3", nproc_per_node=4))
     request = request_for(tmp_path, "align", [])

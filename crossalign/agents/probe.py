@@ -195,7 +195,23 @@ def _pool_checks(pool: str, site: SiteConfig, apply_patches: bool) -> list[Check
     checkout = _checkout("Megatron-LM checkout", framework, "pretrain_gpt.py")
     return (_import_checks([("torch:cuda", "torch with CUDA", True), ("transformer_engine", "TransformerEngine", True),
                             ("fla", "flash-linear-attention", True)], framework.python) + [checkout]
-            + (_patches("megatron", framework, apply_patches) if checkout.ok else []))
+            + ([_megatron_python(framework)] + _patches("megatron", framework, apply_patches) if checkout.ok else []))
+
+
+def _megatron_python(framework: FrameworkSite) -> Check:
+    """The framework's interpreter against the checkout's requires-python (3.12 from core 0.17)."""
+    from crossalign.backends.launch import BackendSetupError
+    from crossalign.backends.megatron import python_mismatch, python_requirement
+
+    checkout = Path(framework.path).expanduser()  # type: ignore[arg-type]
+    try:
+        mismatch = python_mismatch(checkout, framework.python)
+        requirement = python_requirement(checkout)
+    except BackendSetupError as exc:
+        return Check("Megatron-LM Python", False, str(exc))
+    if mismatch:
+        return Check("Megatron-LM Python", False, mismatch)
+    return Check("Megatron-LM Python", True, f"{framework.python} satisfies requires-python {requirement or '(none)'}")
 
 
 def missing(checks: list[Check]) -> list[Check]:

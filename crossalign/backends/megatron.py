@@ -24,9 +24,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import time
+import tomllib
 from pathlib import Path
 from typing import Sequence
+
+from packaging.specifiers import SpecifierSet
 
 from crossalign.backends.base import TrainRequest, TrainResult
 from crossalign.backends.launch import (
@@ -284,6 +288,42 @@ def verify_megatron_log(log_path: Path, *, iterations: int, loaded: bool, exit_s
 # ---- launching -------------------------------------------------------------------------------
 
 
+def python_requirement(checkout: Path) -> str | None:
+    """The checkout's ``requires-python`` (pyproject.toml), None where it states none.
+
+    Megatron-LM needs ">=3.10" up to core 0.16 and ">=3.12" from core 0.17.0 (pyproject.toml of
+    each tag); from core 0.18.0 its training code also imports ``typing.override``, new in 3.12
+    (megatron/training/models/hybrid.py:5), so an older interpreter fails at import.
+    """
+    path = checkout / "pyproject.toml"
+    if not path.exists():
+        return None
+    try:
+        return tomllib.loads(path.read_text()).get("project", {}).get("requires-python")
+    except tomllib.TOMLDecodeError as exc:
+        raise BackendSetupError(f"{path}: not valid TOML ({exc})") from None
+
+
+def python_mismatch(checkout: Path, python: str) -> str | None:
+    """Why ``python`` cannot run the checkout's training code, None when it can (or the checkout says nothing)."""
+    requirement = python_requirement(checkout)
+    if requirement is None:
+        return None
+    try:
+        done = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"megatron.python {python} cannot be run ({exc})"
+    if done.returncode != 0:
+        return f"megatron.python {python} cannot be run: {(done.stderr or done.stdout).strip()[-300:]}"
+    version = done.stdout.strip()
+    if version not in SpecifierSet(requirement):
+        return (f"megatron.python {python} is Python {version}, but the Megatron-LM checkout {checkout} requires "
+                f"Python {requirement} (requires-python in its pyproject.toml): point megatron.python at an "
+                "interpreter that satisfies it")
+    return None
+
+
 def entry_point(checkout: Path, version: tuple[int, ...]) -> Path:
     """pretrain_gpt.py, or our launcher where this megatron-core builds MTP from the wrong specs."""
     if version < GDN_FIRST_VERSION:
@@ -311,9 +351,16 @@ class MegatronBackend(FrameworkBackend):
         path = Path(path).expanduser()
         wanted = parse_version(config.training.megatron_core_version)
         if self.site.megatron.ssh_host is not None:
+            if not path.is_absolute():
+                raise BackendSetupError(f"megatron.path {path}: must be an absolute path on the remote host "
+                                        f"{self.site.megatron.ssh_host}")
             return path, wanted
+        path = path.absolute()  # the run script cds into the checkout: a relative path would no longer hold
         if not (path / "pretrain_gpt.py").exists():
             raise BackendSetupError(f"megatron.path {path}: no pretrain_gpt.py there (not a Megatron-LM checkout)")
+        mismatch = python_mismatch(path, self.site.megatron.python)
+        if mismatch:
+            raise BackendSetupError(mismatch)
         version = megatron_core_version(path)
         if version is None:
             raise BackendSetupError(f"{path}: megatron/core/package_info.py gives no version")
@@ -331,7 +378,7 @@ class MegatronBackend(FrameworkBackend):
         entry = entry_point(checkout, version)
         if entry == LAUNCHER:
             request.output_dir.mkdir(parents=True, exist_ok=True)
-            entry = Path(shutil.copy(LAUNCHER, request.output_dir / LAUNCHER.name))
+            entry = Path(shutil.copy(LAUNCHER, request.output_dir.absolute() / LAUNCHER.name))
         env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "MEGATRON_LM_PATH": str(checkout), **site.env}
         command = [site.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    "--nproc_per_node", str(site.nproc_per_node), str(entry), *args]
@@ -340,21 +387,28 @@ class MegatronBackend(FrameworkBackend):
                          title=f"Megatron-LM {'.'.join(map(str, version))}: {request.config.model.name}, "
                                f"{request.iterations} iterations")
 
-    def train(self, request: TrainRequest) -> TrainResult:
+    def write_launch(self, request: TrainRequest) -> Path:
+        """The argument file and run script of this request in its step folder; returns the script.
+
+        Every path in them is absolute: the script changes into the checkout before it runs.
+        """
         if request.side != "megatron" or request.mode != "align":
             raise BackendSetupError(f"the megatron backend trains side 'megatron' in mode 'align', "
                                     f"not side {request.side!r} mode {request.mode!r}")
         if request.init_checkpoint is None:
             raise BackendSetupError("the megatron backend needs request.init_checkpoint (the converted checkpoint)")
-        iterations = request.iterations
         args = megatron_args(
-            request.config, data_prefix=request.data.prefix, tokenizer=request.data.tokenizer,
-            load_dir=request.init_checkpoint, save_dir=request.checkpoint_dir if request.save else None,
-            nproc=self.site.megatron.nproc_per_node, train_iters=iterations)
+            request.config, data_prefix=request.data.prefix.absolute(), tokenizer=request.data.tokenizer,
+            load_dir=request.init_checkpoint.absolute(),
+            save_dir=request.checkpoint_dir.absolute() if request.save else None,
+            nproc=self.site.megatron.nproc_per_node, train_iters=request.iterations)
         request.output_dir.mkdir(parents=True, exist_ok=True)
         (request.output_dir / ARGS_FILE).write_text("\n".join(args) + "\n")
-        script = write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, args))
+        return write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, args))
 
+    def train(self, request: TrainRequest) -> TrainResult:
+        iterations = request.iterations
+        script = self.write_launch(request)
         on_line = progress_callback(request.on_step, iterations, parse_iteration_line)
         start = time.monotonic()
         status = self._runner(script, request.log_path, on_line)

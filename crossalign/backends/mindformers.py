@@ -449,7 +449,13 @@ class MindFormersBackend(FrameworkBackend):
         if path is None:
             raise BackendSetupError("site config: mindformers.path (the MindFormers checkout) is not set")
         path = Path(path).expanduser()
-        if self.site.mindformers.ssh_host is None and not (path / "run_mindformer.py").exists():
+        if self.site.mindformers.ssh_host is not None:
+            if not path.is_absolute():
+                raise BackendSetupError(f"mindformers.path {path}: must be an absolute path on the remote host "
+                                        f"{self.site.mindformers.ssh_host}")
+            return path
+        path = path.absolute()  # the run script cds into the step folder: a relative path would no longer hold
+        if not (path / "run_mindformer.py").exists():
             raise BackendSetupError(f"mindformers.path {path}: no run_mindformer.py there (not a MindFormers checkout)")
         return path
 
@@ -457,17 +463,17 @@ class MindFormersBackend(FrameworkBackend):
         checkout = self.checkout()
         site = self.site.mindformers
         nproc = site.nproc_per_node
-        log_root = request.output_dir / "mf_log"
+        log_root = request.output_dir.absolute() / "mf_log"
         env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "LOG_MF_PATH": str(log_root), **site.env}
-        entry = [str(checkout / "run_mindformer.py"), "--mode", "1", "--config", str(config_path)]
+        entry = [str(checkout / "run_mindformer.py"), "--mode", "1", "--config", str(config_path.absolute())]
         if nproc == 1:
             command = [site.python, *entry]
         else:
             command = [site.python, "-m", "mindspore.parallel.cluster.run", f"--worker_num={nproc}",
                        f"--local_worker_num={nproc}", f"--master_port={MSRUN_PORT}",
-                       f"--log_dir={request.output_dir / 'msrun_log'}", "--join=True",
+                       f"--log_dir={request.output_dir.absolute() / 'msrun_log'}", "--join=True",
                        f"--tail_worker_log={nproc - 1}", *entry]
-        return RunScript(command=command, cwd=request.output_dir, env=env, required_files=(entry[0],),
+        return RunScript(command=command, cwd=request.output_dir.absolute(), env=env, required_files=(entry[0],),
                          staged_in=request.output_dir, published_as=request.published_dir,
                          title=f"MindFormers pynative: {request.config.model.name}, {request.mode} run, "
                                f"{request.iterations} steps on {nproc} card(s)")
@@ -480,9 +486,10 @@ class MindFormersBackend(FrameworkBackend):
             raise BackendSetupError("the align run needs request.init_checkpoint (the bf16 MindFormers checkpoint)")
         save = request.save or request.mode == "base"
         data = mindformers_yaml(
-            request.config, mode=request.mode, data_prefix=request.data.prefix, tokenizer=request.data.tokenizer,
-            load_dir=request.init_checkpoint if loaded else None,
-            save_dir=request.checkpoint_dir if save else None,
+            request.config, mode=request.mode, data_prefix=request.data.prefix.absolute(),
+            tokenizer=request.data.tokenizer,
+            load_dir=request.init_checkpoint.absolute() if loaded else None,  # type: ignore[union-attr]
+            save_dir=request.checkpoint_dir.absolute() if save else None,
             nproc=self.site.mindformers.nproc_per_node,
             model_overrides=request.extra.get("mindformers_model"))  # type: ignore[arg-type]
         request.output_dir.mkdir(parents=True, exist_ok=True)
