@@ -8,6 +8,7 @@ import torch
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.layout import (
     megatron_shapes,
+    mindformers_buffers,
     mindformers_shapes,
     mtp_layer_prefix,
     random_mindformers_state,
@@ -26,6 +27,16 @@ def test_real_configs_give_the_key_counts_of_a_correct_conversion():
     assert len([k for k in megatron_shapes(moe, experts="stacked") if k.startswith("mtp.")]) == 16
     # Per-expert form: each stacked expert tensor becomes E tensors, in every MoE layer including MTP.
     assert len(megatron_shapes(moe)) == 127 + 9 * 2 * (moe.num_experts - 1)
+
+
+def test_the_real_moe_model_saves_nine_token_count_buffers():
+    """mlp.tokens_per_expert (E,) in each of the 8 MoE layers and the MTP layer's; none in the dense model."""
+    moe = load_config("qwen35_moe").model
+    buffers = mindformers_buffers(moe)
+    assert len(buffers) == 9 and set(buffers.values()) == {(8,)}
+    assert "mtp.layers.0.transformer_layer.mlp.tokens_per_expert" in buffers
+    assert not set(buffers) & set(mindformers_shapes(moe))
+    assert mindformers_buffers(load_config("qwen35_dense").model) == {}
 
 
 def test_real_shapes_match_the_source_checkpoints():
