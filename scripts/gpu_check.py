@@ -9,12 +9,13 @@ configs:
 2. trains two iterations with the real Megatron backend (run script, log checks);
 3. computes the step-1 losses of the same global batch with our PyTorch model in fp32 on CPU
    from the converted weights, and compares them with Megatron's step-1 line;
-4. runs our PyTorch model on CUDA (fla's Triton ``chunk_gated_delta_rule``) against the CPU
-   forms (fla's pure-torch naive chunk form) on the same batch.
+4. runs the gated delta rule Megatron's GatedDeltaNet really runs for this config, on CUDA,
+   against fla's pure-torch recurrent form on CPU (:func:`megatron_delta_rule` says which).
 
-Every function but :func:`train_megatron` and the CUDA half of :func:`kernel_check` runs on CPU, so
-the tests exercise them there. Exit status 0 when every check passes, 1 otherwise; a summary
-is written to ``<work>/gpu_check.json``.
+``--dry-run`` stops after step 1 and writing Megatron's argument file and run script (no GPU
+needed). Every path is made absolute first: the run script changes into the Megatron-LM checkout.
+Every function but :func:`train_megatron` runs on CPU, so the tests exercise them there. Exit
+status 0 when every check passes, 1 otherwise; a summary is written to ``<work>/gpu_check.json``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from crossalign.backends.base import DatasetFiles, TrainRequest
 from crossalign.config import AlignmentConfig, load_config
 
 STEP1_TOLERANCE = 0.005  # SPEC 1: step-1 relative error < 0.5% (bf16 Megatron against fp32 reference)
-KERNEL_TOLERANCE = 1e-4  # fp32 Triton chunk kernel against the pure-torch chunk form
+KERNEL_TOLERANCE = 1e-4  # fp32 chunked delta rule against the recurrence (relative error of the output)
 
 
 @dataclass
@@ -41,10 +42,12 @@ class Check:
     expected: float
     actual: float
     tolerance: float
+    difference: float | None = None  # tensors compared: expected/actual are their norms, this the norm of a - b
 
     @property
     def relative_error(self) -> float:
-        return abs(self.actual - self.expected) / max(abs(self.expected), 1e-12)
+        difference = abs(self.actual - self.expected) if self.difference is None else self.difference
+        return difference / max(abs(self.expected), 1e-12)
 
     @property
     def ok(self) -> bool:
@@ -134,8 +137,8 @@ def step1_checks(reference: dict[str, float], megatron: dict[str, float],
             for name in sorted(reference)]
 
 
-def train_megatron(config: AlignmentConfig, data: DatasetFiles, checkpoint: Path, work: Path, megatron: Path) -> Path:
-    """Two iterations through the real backend; returns its log."""
+def megatron_launch(config: AlignmentConfig, data: DatasetFiles, checkpoint: Path, work: Path, megatron: Path):
+    """The real Megatron backend for this machine (this Python, one GPU) and the request of the check's run."""
     from crossalign.backends.megatron import MegatronBackend
     from crossalign.site import FrameworkSite, SiteConfig
 
@@ -143,45 +146,113 @@ def train_megatron(config: AlignmentConfig, data: DatasetFiles, checkpoint: Path
     request = TrainRequest(config=config, side="megatron", mode="align", data=data, output_dir=work / "megatron_run",
                            init_checkpoint=checkpoint,
                            on_step=lambda step, total, m: print(f"  megatron iteration {step}/{total}: {m}", flush=True))
-    return MegatronBackend(site=site).train(request).log_path
+    return MegatronBackend(site=site), request
 
 
-def kernel_check(config: AlignmentConfig, checkpoint: Path, prefix: Path, device: str = "cuda") -> list[Check]:
-    """Our model with fla's chunk kernel on ``device`` against its CPU chunk form, same weights and batch."""
-    cpu = reference_losses(config, checkpoint, prefix, "cpu", "chunk")
-    other = reference_losses(config, checkpoint, prefix, device, "chunk")
-    return [Check(f"{name} on {device} (fla chunk_gated_delta_rule) vs CPU naive chunk", cpu[name], other[name],
-                  KERNEL_TOLERANCE) for name in sorted(cpu)]
+def train_megatron(config: AlignmentConfig, data: DatasetFiles, checkpoint: Path, work: Path, megatron: Path) -> Path:
+    """Two iterations through the real backend; returns its log."""
+    backend, request = megatron_launch(config, data, checkpoint, work, megatron)
+    return backend.train(request).log_path
+
+
+DELTA_RULE_PATHS = {True: "Megatron torch_chunk_gated_delta_rule (--deterministic-mode)",
+                    False: "fla chunk_gated_delta_rule (no --deterministic-mode)"}
+
+
+def megatron_delta_rule(deterministic: bool):
+    """(name, fn(q, k, v, g, beta) -> o) of the gated delta rule Megatron's GatedDeltaNet runs.
+
+    With --deterministic-mode (our configs' default) Megatron runs torch's own conv1d and its
+    torch-native ``torch_chunk_gated_delta_rule``, never fla's Triton kernel:
+    megatron/core/ssm/gated_delta_net.py core_v0.16.1 lines 326-327 and 370-380, core_v0.18.0
+    lines 211-214 and 424; core_v0.19.0 megatron/core/ssm/gated_delta_net/gdn.py lines 59-62 and
+    199 (the package re-exports the function at the same import path). Without it, fla's
+    ``chunk_gated_delta_rule`` (and a causal-conv1d kernel). Both take q, k, v as [B, T, H, d],
+    already L2-normalised, and scale by 1/sqrt(dk).
+    """
+    if deterministic:
+        from crossalign.data.mcore import quiet_megatron_import
+
+        with quiet_megatron_import():
+            from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+        def megatron_torch(q, k, v, g, beta):
+            return torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
+                                                output_final_state=False, use_qk_l2norm_in_kernel=False)[0]
+
+        return DELTA_RULE_PATHS[True], megatron_torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def fla_chunk(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=False)[0]
+
+    return DELTA_RULE_PATHS[False], fla_chunk
+
+
+def delta_rule_check(config: AlignmentConfig, device: str = "cuda", seed: int = 1234) -> Check:
+    """Megatron's delta rule for this config on ``device`` against fla's recurrent form on CPU (fp32).
+
+    Random inputs of the config's GatedDeltaNet sizes over one training sequence; the relative error
+    is ||o - o_ref|| / ||o_ref||.
+    """
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+    m, seq = config.model, config.training.seq_length
+    heads, dk, dv = m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, seq, heads, dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(2, seq, heads, dv, generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(2, seq, heads, generator=gen))  # log decay, < 0
+    beta = torch.sigmoid(torch.randn(2, seq, heads, generator=gen))
+    reference, _ = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=dk ** -0.5)
+    name, kernel = megatron_delta_rule(config.training.deterministic)
+    out = kernel(*(t.to(device) for t in (q, k, v, g, beta))).float().cpu()
+    return Check(f"delta rule on {device}: {name} vs fla recurrent form on CPU (output norms)",
+                 float(reference.norm()), float(out.norm()), KERNEL_TOLERANCE, float((out - reference).norm()))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--megatron", type=Path, required=True, help="Megatron-LM checkout")
+    parser.add_argument("--megatron", type=Path, help="Megatron-LM checkout (not needed with --skip-megatron)")
     parser.add_argument("--work", type=Path, default=Path("gpu_check_work"))
     parser.add_argument("--model", default="qwen35_moe_tiny")
-    parser.add_argument("--skip-megatron", action="store_true", help="only the kernel check")
+    parser.add_argument("--skip-megatron", action="store_true", help="only the delta-rule kernel check")
+    parser.add_argument("--dry-run", action="store_true", help="prepare the inputs and write Megatron's run "
+                        "script, run nothing (no GPU needed)")
     options = parser.parse_args(argv)
+    if options.megatron is None and not options.skip_megatron:
+        parser.error("--megatron PATH (the Megatron-LM checkout) is required, unless --skip-megatron")
+    # The run script changes into the Megatron-LM checkout: every path it names must be absolute.
+    work = options.work.expanduser().absolute()
+    megatron = options.megatron.expanduser().absolute() if options.megatron else None
 
     start = time.monotonic()
     config = check_config(options.model)
-    options.work.mkdir(parents=True, exist_ok=True)
-    print(f"[1/4] dataset and checkpoints under {options.work}", flush=True)
-    data, checkpoint = prepare_inputs(config, options.work)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"[1/4] dataset and checkpoints under {work}", flush=True)
+    data, checkpoint = prepare_inputs(config, work)
+    if options.dry_run:
+        if megatron is not None:
+            backend, request = megatron_launch(config, data, checkpoint, work, megatron)
+            print(f"dry run: Megatron would run {backend.write_launch(request)}", flush=True)
+        print(f"dry run: the delta-rule check would run {DELTA_RULE_PATHS[config.training.deterministic]} on CUDA",
+              flush=True)
+        return 0
     checks: list[Check] = []
     if not options.skip_megatron:
         print("[2/4] Megatron: two iterations through the real backend", flush=True)
-        log = train_megatron(config, data, checkpoint, options.work, options.megatron)
+        log = train_megatron(config, data, checkpoint, work, megatron)  # type: ignore[arg-type]
         print("[3/4] fp32 reference on CPU, step-1 losses", flush=True)
         reference = reference_losses(config, checkpoint, data.prefix)
         checks += step1_checks(reference, megatron_step1(log, config.training.megatron_core_version))
-    print("[4/4] fla chunk kernel on CUDA against the CPU form", flush=True)
-    checks += kernel_check(config, checkpoint, data.prefix)
+    print("[4/4] the gated delta rule Megatron runs, on CUDA, against the CPU recurrence", flush=True)
+    checks.append(delta_rule_check(config, "cuda"))
     for check in checks:
         print(check.line())
     summary = {"model": options.model, "seconds": round(time.monotonic() - start, 1),
                "ok": all(c.ok for c in checks),
                "checks": [dict(asdict(c), relative_error=c.relative_error, ok=c.ok) for c in checks]}
-    (options.work / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+    (work / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     print(f"{'PASS' if summary['ok'] else 'FAIL'} in {summary['seconds']} s", flush=True)
     return 0 if summary["ok"] else 1
 

@@ -1,14 +1,21 @@
-"""The CPU-runnable pieces of scripts/gpu_check.sh: inputs, fp32 reference, reading and judging step 1."""
+"""The CPU-runnable pieces of scripts/gpu_check.sh: inputs, fp32 reference, reading and judging step 1,
+Megatron's delta rule, and the script's dry run from another working directory."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+SHELL_SCRIPT = SCRIPT.with_name("gpu_check.sh")
+FIXTURES = Path(__file__).parent / "fixtures"
+PACKAGE_INFO = Path(importlib.util.find_spec("megatron").submodule_search_locations[0]) / "core" / "package_info.py"
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +41,18 @@ def test_check_config_is_a_short_run(gpu_check):
     assert config.model.name == "qwen35_dense_tiny"
 
 
-@pytest.mark.timeout(300)
-def test_reference_and_step1_judgement(gpu_check, tmp_path: Path):
+@pytest.fixture(scope="module")
+def prepared(gpu_check, tmp_path_factory):
+    """A work folder with the inputs gpu_check prepares (dataset, checkpoints), built once."""
+    work = tmp_path_factory.mktemp("gpu_check_work")
     config = gpu_check.check_config("qwen35_moe_tiny")
-    data, checkpoint = gpu_check.prepare_inputs(config, tmp_path)
+    data, checkpoint = gpu_check.prepare_inputs(config, work)
+    return config, work, data, checkpoint
+
+
+@pytest.mark.timeout(300)
+def test_reference_and_step1_judgement(gpu_check, prepared, tmp_path: Path):
+    config, _, data, checkpoint = prepared
     assert (checkpoint / "latest_checkpointed_iteration.txt").exists()
 
     reference = gpu_check.reference_losses(config, checkpoint, data.prefix)
@@ -65,3 +80,40 @@ def test_reference_and_step1_judgement(gpu_check, tmp_path: Path):
 
     with pytest.raises(ValueError, match="lacks mtp_1_loss"):
         gpu_check.step1_checks(reference, {"lm_loss": reference["lm_loss"]})
+
+
+@pytest.mark.timeout(300)
+def test_delta_rule_check_runs_the_kernel_megatron_runs(gpu_check):
+    # --deterministic-mode: Megatron's torch_chunk_gated_delta_rule, not fla's Triton kernel
+    config = gpu_check.check_config("qwen35_moe_tiny")
+    assert config.training.deterministic
+    check = gpu_check.delta_rule_check(config, "cpu")
+    assert "Megatron torch_chunk_gated_delta_rule (--deterministic-mode)" in check.name
+    assert check.ok and check.relative_error < 1e-5, check.line()
+    name, _ = gpu_check.megatron_delta_rule(False)
+    assert name.startswith("fla chunk_gated_delta_rule")
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_from_another_working_directory(prepared, tmp_path: Path):
+    """gpu_check.sh with a relative --work and a relative MEGATRON_LM, started elsewhere; then its run script
+    is started from yet another folder, against a Megatron-LM-shaped checkout."""
+    _, work, _, _ = prepared
+    here = tmp_path / "cwd"
+    shutil.copytree(work, here / "rel_work")  # already prepared: only the paths are new
+    shutil.copytree(FIXTURES / "megatron_tree", here / "Megatron-LM")
+    (here / "Megatron-LM" / "megatron" / "core").mkdir(parents=True)
+    shutil.copy(PACKAGE_INFO, here / "Megatron-LM" / "megatron" / "core" / "package_info.py")
+    env = {**os.environ, "PYTHON": sys.executable, "MEGATRON_LM": "Megatron-LM"}
+    done = subprocess.run(["bash", str(SHELL_SCRIPT), "--dry-run", "--work", "rel_work"], cwd=here, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    script = here / "rel_work" / "megatron_run" / "run_megatron.sh"
+    assert f"dry run: Megatron would run {script}" in done.stdout
+    assert "Megatron torch_chunk_gated_delta_rule" in done.stdout
+    text = script.read_text()
+    assert f"cd {here / 'Megatron-LM'}\n" in text and f"--data-path {here / 'rel_work' / 'data'}" in text
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ran = subprocess.run(["bash", str(script)], cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and "iteration        2/       2" in ran.stdout, ran.stdout + ran.stderr
