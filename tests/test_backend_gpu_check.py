@@ -117,3 +117,13 @@ def test_dry_run_from_another_working_directory(prepared, tmp_path: Path):
     elsewhere.mkdir()
     ran = subprocess.run(["bash", str(script)], cwd=elsewhere, capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0 and "iteration        2/       2" in ran.stdout, ran.stdout + ran.stderr
+
+
+def test_offline_wheel_recipe_keeps_the_image_torch():
+    """fla-core and megatron-core depend on torch: fetched without dependencies, installed with torch pinned."""
+    lines = [line.lstrip("# ").strip() for line in SHELL_SCRIPT.read_text().splitlines() if "pip " in line]
+    downloads = [line for line in lines if line.startswith("pip download")]
+    assert downloads and all("--no-deps" in line for line in downloads
+                             if "fla-core" in line or "megatron-core" in line), downloads
+    installs = [line for line in lines if line.startswith("pip install")]
+    assert installs and all("--no-deps" in line or "-c keep-torch.txt" in line for line in installs), installs
