@@ -5,7 +5,8 @@ Writes a MindFormers pynative log and a Megatron 0.16 log (MoE aux loss and one 
 
 - baseline: counting the lines of both files (``sum(1 for _ in open(f))``);
 - parse: both logs into DataFrames;
-- compare: metrics, lr check, verdict and diagnoses;
+- compare: metrics (co-movement included), coverage of the expected steps, the iteration-2 readings
+  of a Megatron log of unknown core version, lr check, verdict and diagnoses;
 - outputs (reported apart, with ``--outputs``): steps.csv, loss.png, report.html/md, summary.json.
 
 Wall time and CPU time are both printed: on a shared machine the CPU time is the steadier one.
@@ -60,7 +61,7 @@ def main() -> None:
         gpu_log = write_log(tmp / "gpu.log", megatron_lines(list(gpu_lm), mtp=[list(gpu_lm + 0.4)], aux=aux,
                                                             lr_applied=lr))
         sizes = f"{npu_log.stat().st_size / 1e6:.1f} MB + {gpu_log.stat().st_size / 1e6:.1f} MB"
-        options = CompareOptions()
+        options = CompareOptions(expect_steps=args.steps)  # core version unknown: both readings tested
 
         def count_lines() -> int:
             return sum(sum(1 for _ in open(f, encoding="utf-8")) for f in (npu_log, gpu_log))

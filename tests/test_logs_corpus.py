@@ -78,3 +78,13 @@ def test_many_unreadable_step_lines_fail_naming_the_first(tmp_path):
     path.write_text("\n".join(garbled) + "\n")
     with pytest.raises(LogFormatError, match=r"garbled.log: 5 lines look like Megatron step records .* line 2 "):
         parse_log(path)
+
+
+def test_a_step_mark_without_its_record_is_named(tmp_path):
+    lines = (CORPUS / "megatron_moe_load_balancing.log").read_text().splitlines()
+    lines.insert(2, lines[2][: lines[2].index("/") + 1] + "[default0]: NCCL WARN timeout")
+    path = tmp_path / "cut.log"
+    path.write_text("\n".join(lines) + "\n")
+    df = parse_log(path, core_version="0.15.0")
+    assert len(df) == 6 and [u["line"] for u in df.attrs["unreadable"]] == [3]
+    assert "no 'M |'" in df.attrs["unreadable"][0]["why"]

@@ -43,6 +43,7 @@ from crossalign.logs.formats import megatron_keeps_first_line
 
 # no \b before "iteration": it would cost the regex engine its literal scan (10x slower on big logs)
 ITERATION_RE = re.compile(r"iteration\s+\d+\s*/\s*\d+\s*\|")
+_MARK_RE = re.compile(r"iteration\s+\d+\s*/")  # what makes a line look like a record
 _RECORD_RE = re.compile(r"^([^\n]*?)iteration\s+(\d+)\s*/\s*\d+\s*\|([^\n]*)$", re.M)
 # Printed once per process before its first iteration (rank 0 only).
 _PROCESS_START_MARKERS = ("[before the start of training step]",
@@ -282,6 +283,10 @@ def parse_megatron_text(path: Path, text: str, core_version: str | None = "0.16.
     steps_parts, col_parts, mtp_count, extras = [], [], 0, {}
     for offset, segment in _segments(text):
         count = len(ITERATION_RE.findall(segment))
+        if len(_MARK_RE.findall(segment)) != count:
+            for mark in _MARK_RE.finditer(segment):
+                if not ITERATION_RE.match(segment, mark.start()):
+                    _unreadable(unreadable, text, offset + mark.start(), "no 'M |' after 'iteration N/'")
         if not count:
             continue
         steps, cols, columns = _fast(segment, count) or _slow(segment, offset, text, notes, unreadable)
