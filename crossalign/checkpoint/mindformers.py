@@ -316,7 +316,7 @@ def default_common(global_step: int, global_batch_size: int | None = None, total
     }
 
 
-SplitDim = Callable[[str, tuple[int, ...]], "int | None"]  # the axis a tensor is cut along over ranks, or None
+SplitDim = Callable[[str, tuple[int, ...]], int | None]  # the axis a tensor is cut along over ranks, or None
 
 
 def _slice(tensor: torch.Tensor, dim: int | None, rank: int, world: int) -> torch.Tensor:
