@@ -155,8 +155,8 @@ def train_megatron(config: AlignmentConfig, data: DatasetFiles, checkpoint: Path
     return backend.train(request).log_path
 
 
-DELTA_RULE_PATHS = {True: "Megatron torch_chunk_gated_delta_rule (--deterministic-mode)",
-                    False: "fla chunk_gated_delta_rule (no --deterministic-mode)"}
+DELTA_RULE_PATHS = {True: "Megatron torch_chunk_gated_delta_rule after torch's conv1d (--deterministic-mode)",
+                    False: "fla chunk_gated_delta_rule after a causal-conv1d kernel (no --deterministic-mode)"}
 
 
 def megatron_delta_rule(deterministic: bool):

@@ -88,7 +88,7 @@ def test_delta_rule_check_runs_the_kernel_megatron_runs(gpu_check):
     config = gpu_check.check_config("qwen35_moe_tiny")
     assert config.training.deterministic
     check = gpu_check.delta_rule_check(config, "cpu")
-    assert "Megatron torch_chunk_gated_delta_rule (--deterministic-mode)" in check.name
+    assert "Megatron torch_chunk_gated_delta_rule after torch's conv1d (--deterministic-mode)" in check.name
     assert check.ok and check.relative_error < 1e-5, check.line()
     name, _ = gpu_check.megatron_delta_rule(False)
     assert name.startswith("fla chunk_gated_delta_rule")
