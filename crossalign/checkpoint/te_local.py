@@ -1,7 +1,7 @@
 """Megatron's TransformerEngine parameter names <-> megatron-core's local-module names, as data.
 
 A converted checkpoint is in the TE layout (what a GPU run loads). megatron-core built with
-its local modules (the CPU path, ``patches/megatron/qwen35_layer_specs.py`` with ``use_te=False``)
+its local modules (the CPU path: ``patches/megatron/pretrain_qwen35.py``'s specs, ``use_te=False``)
 holds the same tensors under other names, because TE fuses each norm into the linear after it
 and groups the routed experts into one module:
 

@@ -1,6 +1,7 @@
 """Which trainer carries out a training step, per pool, from the site config.
 
-``local`` is the embedded CPU stand-in (our Qwen3.5 in MindSpore or PyTorch); ``mindformers`` and
+``local`` is the embedded CPU stand-in (on NPU our Qwen3.5 in MindSpore; on GPU megatron-core itself, on
+CPU; our PyTorch Qwen3.5 is a reference for selfcheck and diagnose, not a backend); ``mindformers`` and
 ``megatron`` are the real frameworks on NPU and GPU machines. The real backends are imported
 only when a site asks for them, so a laptop never needs their dependencies. A real backend
 writes a run script into the step folder and hands it to a runner: run here by default, or
@@ -24,7 +25,7 @@ def training_backend(pool: TrainingPool, site: SiteConfig) -> TrainBackend:
 
         return LocalMindFormersBackend()
     if pool == "gpu" and kind == "local":
-        from crossalign.backends.local.torch_trainer import LocalMegatronBackend
+        from crossalign.backends.local.mcore_trainer import LocalMegatronBackend
 
         return LocalMegatronBackend()
     if pool == "npu" and kind == "mindformers":

@@ -181,14 +181,15 @@ def installed_versions() -> dict[str, str]:
     return {"megatron-core": version("megatron-core"), "torch": torch.__version__.split("+")[0]}
 
 
-def self_test() -> None:
+def self_test(workarounds: tuple[Workaround, ...] = WORKAROUNDS,
+              checked: dict[str, tuple[str, ...]] = CHECKED_VERSIONS) -> None:
     """Fail, naming it, where megatron-core or torch is not what these workarounds were checked against."""
     problems = []
     for package, have in installed_versions().items():
-        if have not in CHECKED_VERSIONS[package]:
+        if have not in checked[package]:
             problems.append(f"{package} {have} is installed; the CPU workarounds were checked on "
-                            f"{', '.join(CHECKED_VERSIONS[package])}")
-    for workaround in WORKAROUNDS:
+                            f"{', '.join(checked[package])}")
+    for workaround in workarounds:
         module = workaround.target()
         if not hasattr(module, workaround.attribute) and workaround.attribute != "te_general_gemm":
             problems.append(f"{workaround.name} no longer exists ({workaround.reason})")

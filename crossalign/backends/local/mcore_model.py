@@ -2,9 +2,9 @@
 
 The TransformerConfig is what ``pretrain_gpt.py`` makes of the arguments ``backends/megatron.py``
 generates from the same config (each field names its flag), except the two CPU settings of
-``mcore_cpu``: deterministic mode and the allgather dispatcher. The layer specs come from
-``patches/megatron/qwen35_layer_specs.py``, the module the GPU launcher builds its model with,
-here with megatron-core's local modules. A converted (TE-layout) checkpoint is renamed by
+``mcore_cpu``: deterministic mode and the allgather dispatcher. The layer specs come from the
+functions of ``patches/megatron/pretrain_qwen35.py``, the GPU launcher that builds the real
+run's model with them, here with megatron-core's local modules. A converted (TE-layout) checkpoint is renamed by
 ``checkpoint/te_local.py`` and loaded with ``strict=True``; a key that is missing, unexpected
 or misshaped is an error naming it, never Megatron's silent non-strict retry.
 
@@ -27,7 +27,7 @@ from crossalign.checkpoint.te_local import te_to_local
 from crossalign.config import ModelConfig, TrainingConfig
 from crossalign.patching import PATCH_DIR
 
-LAYER_SPECS = PATCH_DIR / "megatron" / "qwen35_layer_specs.py"
+LAUNCHER = PATCH_DIR / "megatron" / "pretrain_qwen35.py"  # holds the layer-spec builder
 IMPLEMENTATION = "megatron-core"
 
 
@@ -36,10 +36,10 @@ class McoreLoadError(ValueError):
 
 
 def layer_specs_module():
-    """patches/megatron/qwen35_layer_specs.py, the spec builder shared with the GPU launcher."""
-    name = "qwen35_layer_specs"
+    """patches/megatron/pretrain_qwen35.py: the GPU launcher, whose layer-spec functions build the model here too."""
+    name = "crossalign_pretrain_qwen35"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, LAYER_SPECS)
+        spec = importlib.util.spec_from_file_location(name, LAUNCHER)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules[name] = module

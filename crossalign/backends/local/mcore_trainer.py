@@ -1,0 +1,213 @@
+"""The embedded Megatron side (DAG step 4): megatron-core itself trains on CPU, as ``pretrain_gpt.py`` would.
+
+The model is megatron-core's ``GPTModel`` built by the GPU launcher's layer-spec builder
+(``mcore_model``), loaded strictly from the converted checkpoint. Training is megatron-core's:
+its ``DistributedDataParallel`` with a grad buffer, ``get_megatron_optimizer`` (Adam with
+decoupled weight decay, no decay on 1-D parameters and biases, global-norm clipping),
+``OptimizerParamScheduler`` stepped by the global batch size as Megatron's training loop
+steps it (so warmup counts samples), and the no-pipelining forward-backward schedule with
+``pretrain_gpt.py``'s loss function (token-weighted lm loss, the MTP and aux losses entering
+the gradient through megatron-core's own auto-scalers). Every number in the log comes from
+megatron-core: the lm loss from the loss function's reporting pair, ``load_balancing_loss``
+from ``track_moe_metrics``, ``mtp_k loss`` from ``MTPLossLoggingHelper.track_mtp_metrics``,
+the grad norm from the optimizer step, the learning rate from the optimizer after the
+scheduler's step. :class:`MegatronLogLines` prints them as ``training_log`` does for the
+configured core version, the iteration-2 mean included.
+
+It all runs inside :func:`megatron_core_on_cpu` (the CPU workarounds), entered only here, in
+the step's training process.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from crossalign.backends.base import TrainRequest, TrainResult
+from crossalign.backends.local.mcore_model import IMPLEMENTATION
+from crossalign.backends.local.torch_trainer import (TRAINING_THREADS, IterationStats, MegatronLogLines, TrainingError,
+                                                     _datetime_line, _step_metrics, megatron_lr)
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """pretrain_gpt.py's loss_func (core 0.16): summed masked loss, its token count, and the reporting pair."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def _forward_step(data_iterator, model):
+    """pretrain_gpt.py's forward_step: one micro batch through GPTModel with labels and loss mask."""
+    tokens = next(data_iterator)
+    input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    batch, seq = input_ids.shape
+    loss_mask = torch.ones(labels.shape, dtype=torch.float32)
+    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, seq)
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]  # True = masked
+    output = model(input_ids, position_ids, causal, labels=labels, loss_mask=loss_mask)
+    return output, partial(_loss_func, loss_mask)
+
+
+def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
+    """DDP-wrapped GPTModel with the checkpoint loaded, megatron-core's optimizer and its param scheduler."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from crossalign.backends.local.mcore_cpu import CudaLiteralsToCpu
+    from crossalign.backends.local.mcore_model import build_gpt_model, load_converted_state
+
+    config, training = request.config, request.config.training
+    if training.lr_warmup_iters >= request.iterations:
+        raise ValueError(f"training.lr_warmup_iters {training.lr_warmup_iters} must be below training.train_iters "
+                         f"{request.iterations}: Megatron's OptimizerParamScheduler asserts lr_warmup_steps < "
+                         "lr_decay_steps, and --lr-decay-iters defaults to --train-iters")
+    net = build_gpt_model(config.model, training)
+    load_converted_state(net, state, config.model, training.megatron_core_version)
+    ddp = DistributedDataParallel(config=net.config, module=net,
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    with CudaLiteralsToCpu():  # FP32Optimizer keeps its loss scale on 'cuda'
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
+            adam_beta1=training.adam_beta1, adam_beta2=training.adam_beta2, adam_eps=training.adam_eps,
+            clip_grad=training.clip_grad, bf16=False, fp16=False, params_dtype=torch.float32), [ddp])
+    samples = request.iterations * training.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=training.lr_warmup_init, max_lr=training.lr, min_lr=training.min_lr,
+        lr_warmup_steps=training.lr_warmup_iters * training.global_batch_size, lr_decay_steps=samples,
+        lr_decay_style=training.lr_decay_style, start_wd=training.weight_decay, end_wd=training.weight_decay,
+        wd_incr_steps=samples, wd_incr_style="constant")
+    # what megatron.training's setup_model_and_optimizer hands the schedule
+    net.config.grad_scale_func = optimizer.scale_loss
+    net.config.no_sync_func = ddp.no_sync
+    net.config.finalize_model_grads_func = finalize_model_grads
+    return ddp, optimizer, scheduler
+
+
+def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, request: TrainRequest) -> IterationStats:
+    """Megatron's train_step and the loss bookkeeping of training_log for one iteration."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from crossalign.backends.local.mcore_cpu import CudaLiteralsToCpu
+
+    model, training = request.config.model, request.config.training
+    tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.int64)
+    expected = (training.global_batch_size, training.seq_length + 1)
+    if tuple(tokens.shape) != expected:
+        raise ValueError(f"global batch {iteration}: tokens of shape {tuple(tokens.shape)}, expected {expected}")
+    num_micro = training.global_batch_size // training.micro_batch_size
+    micro_batches = iter(tokens.split(training.micro_batch_size))
+
+    # the schedule counts tokens, and the optimizer reduces the grad norm, in tensors made on 'cuda'
+    with CudaLiteralsToCpu():
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=micro_batches, model=[ddp], num_microbatches=num_micro,
+            seq_length=training.seq_length, micro_batch_size=training.micro_batch_size, forward_only=False)
+        succeeded, grad_norm, _ = optimizer.step()
+    if not succeeded or grad_norm is None or not np.isfinite(grad_norm):
+        raise TrainingError(f"iteration {iteration}: the optimizer step failed (grad norm {grad_norm})")
+    scheduler.step(increment=training.global_batch_size)
+
+    pair = torch.stack([report["lm loss"] for report in reports]).sum(dim=0)
+    lm_loss = float(pair[0] / pair[1])
+    if not np.isfinite(lm_loss):
+        raise TrainingError(f"iteration {iteration}: non-finite lm loss {lm_loss}")
+    losses: dict[str, torch.Tensor] = {}
+    if model.is_moe and model.moe_aux_loss_coeff > 0:
+        track_moe_metrics(loss_scale=1 / num_micro, iteration=iteration, total_loss_dict=losses,
+                          track_names=["load_balancing_loss"], num_layers=model.num_layers, moe_layer_freq=1,
+                          mtp_num_layers=model.mtp_num_layers or None)
+        clear_aux_losses_tracker()
+    if model.mtp_num_layers:
+        MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1 / num_micro, iteration=iteration, writer=None,
+                                               total_loss_dict=losses)
+    logged = {"lm loss": lm_loss, **{name: float(value) for name, value in losses.items()}}
+    return IterationStats(losses=logged, learning_rate=optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm))
+
+
+def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], checkpoint_iteration: int,
+                 batches: Sequence[np.ndarray]) -> TrainResult:
+    """Train ``request.iterations`` steps from the Megatron ``state`` on ``batches`` (item i: the int64
+    tokens [global_batch_size, seq_length + 1] of global batch i) and write the Megatron log."""
+    from crossalign.backends.local.mcore_cpu import megatron_core_on_cpu
+
+    training, total = request.config.training, request.iterations
+    if len(batches) < total:
+        raise ValueError(f"{request.data.prefix}: {len(batches)} global batches for {total} iterations")
+    request.output_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TRAINING_THREADS)
+    try:
+        with request.log_path.open("w", encoding="utf-8") as log, megatron_core_on_cpu(training.seed):
+            def emit(text: str) -> None:
+                log.write(text + "\n")
+                log.flush()
+
+            emit("using world size: 1, data-parallel size: 1, context-parallel size: 1, "
+                 "hierarchical context-parallel sizes: None, tensor-model-parallel size: 1, "
+                 "pipeline-model-parallel size: 1")
+            emit(f"> setting random seeds to {training.seed} ...")
+            emit(f"building GPT model ... ({IMPLEMENTATION}, local modules on CPU)")
+            emit(f" loading checkpoint from {request.init_checkpoint} at iteration {checkpoint_iteration}")
+            ddp, optimizer, scheduler = _build(request, state)
+            emit(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
+                 f"{sum(p.numel() for p in ddp.module.parameters())}")
+            emit(f"  successfully loaded checkpoint from {request.init_checkpoint} [ t 1/1, p 1/1 ] at iteration 0")
+            emit(_datetime_line("after model, optimizer, and learning rate scheduler are built"))
+            emit(_datetime_line("after dataloaders are built"))
+            emit("done with setup ...")
+            emit("training ...")
+            emit(_datetime_line("before the start of training step"))
+            lines = MegatronLogLines(total, training.global_batch_size, training.megatron_core_version)
+            ddp.train()
+            for iteration in range(1, total + 1):
+                stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request)
+                emit(lines.line(iteration, stats))
+                if request.on_step is not None:
+                    request.on_step(iteration, total, _step_metrics(stats, megatron_lr(training, iteration)))
+            emit(_datetime_line("after training is done"))
+    finally:
+        torch.set_num_threads(threads)
+    return TrainResult(log_path=request.log_path, checkpoint_dir=None, iterations=total,
+                       seconds=time.perf_counter() - started)
+
+
+class LocalMegatronBackend:
+    """The embedded CPU stand-in for Megatron-LM (DAG step 4), on megatron-core itself: align mode only."""
+
+    name = "local-megatron"
+
+    @property
+    def implementation(self) -> str:
+        """What trains: recorded in the step's manifest and named in the report."""
+        from importlib.metadata import version
+
+        return f"{IMPLEMENTATION} {version('megatron-core')} (GPTModel, DDP, optimizer and scheduler on CPU)"
+
+    def train(self, request: TrainRequest) -> TrainResult:
+        if request.mode != "align":
+            raise ValueError(f"{self.name}: mode {request.mode!r} is not supported; Megatron only runs the "
+                             "alignment step (mode 'align')")
+        if request.init_checkpoint is None:
+            raise ValueError(f"{self.name}: align mode needs init_checkpoint (a Megatron checkpoint directory)")
+        if request.save:
+            raise ValueError(f"{self.name}: saving checkpoints is not supported (the alignment run only logs)")
+        from crossalign.checkpoint.megatron import read_megatron_checkpoint
+        from crossalign.data.order import batches_for
+
+        checkpoint = read_megatron_checkpoint(Path(request.init_checkpoint), request.config.model)
+        batches = batches_for("megatron", request.config.training, request.data.prefix,
+                              num_samples=request.iterations * request.config.training.global_batch_size)
+        return run_training(request, checkpoint.state, checkpoint.iteration, batches)

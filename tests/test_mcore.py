@@ -1,0 +1,226 @@
+"""megatron-core itself on CPU: the workarounds and their self-test, the shared layer-spec builder of the GPU
+launcher, the TE<->local name map, strict loading that catches every conversion fault, and training that
+matches Megatron's semantics as our PyTorch reference implements them."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from crossalign.backends.base import DatasetFiles, TrainRequest
+from crossalign.backends.local import mcore_cpu, mcore_trainer, torch_trainer
+from crossalign.backends.local.mcore_model import (LAUNCHER, McoreLoadError, build_gpt_model, run_selfcheck_forward,
+                                                   transformer_config)
+from crossalign.checkpoint.convert import mindformers_to_megatron
+from crossalign.checkpoint.errors import CheckpointError
+from crossalign.checkpoint.faults import FAULTS, inject_fault
+from crossalign.checkpoint.layout import random_mindformers_state
+from crossalign.checkpoint.rules import conversion_plan
+from crossalign.checkpoint.te_local import local_to_te, te_to_local, te_to_local_names
+from crossalign.config import load_config
+from crossalign.diagnose.sides import build_megatron, random_batch, run_megatron
+from crossalign.selfcheck import compare_outputs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CONFIGS = ("qwen35_dense_tiny", "qwen35_moe_tiny")
+# faults that rename a key: megatron-core's strict load must name the key
+KEY_FAULTS = {"a_log_not_renamed": "self_attention.A_log", "wrong_mtp_prefix": "mtp.layers.0.transformer_layer."}
+
+
+@pytest.fixture(scope="module")
+def converted():
+    """name -> (config, correct Megatron state, batch, PyTorch reference outputs on it), each made once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            config = load_config(name)
+            state = random_mindformers_state(config.model, seed=7)
+            batch = random_batch(config.model, 32, 2, seed=3)
+            mg = mindformers_to_megatron(state, config.model)
+            net, _ = build_megatron(config.model, mg, config.training.megatron_core_version)
+            cache[name] = config, state, batch, run_megatron(net, batch)
+        return cache[name]
+    return get
+
+
+def mcore_outputs(config, mg_state, batch):
+    from crossalign.diagnose.sides import Outputs
+
+    out = run_selfcheck_forward(config.model, config.training, mg_state, config.training.megatron_core_version,
+                                batch.input_ids, batch.labels, batch.loss_mask)
+    return Outputs(out["logits"], out["lm_loss"], np.asarray(out["mtp_losses"]), out["aux_loss"])
+
+
+def test_the_runtime_is_undone_on_exit():
+    original = torch.cuda.current_device
+    with mcore_cpu.megatron_core_on_cpu(seed=5):
+        assert torch.cuda.current_device() == "cpu" and torch.distributed.is_initialized()
+        from megatron.core import parallel_state
+        assert parallel_state.get_tensor_model_parallel_world_size() == 1
+    assert torch.cuda.current_device is original and not torch.distributed.is_initialized()
+
+
+def test_the_self_test_names_what_an_upgrade_changed():
+    mcore_cpu.self_test()  # the installed megatron-core is the one the workarounds were written for
+    moved = mcore_cpu.Workaround("megatron.core.transformer.utils", "get_default_causal_mask", "a reason",
+                                 lambda: None, upstream='device="cuda:0"')
+    gone = mcore_cpu.Workaround("megatron.core.transformer.utils", "no_such_function", "another reason", lambda: None)
+    with pytest.raises(mcore_cpu.MegatronCpuError) as caught:
+        mcore_cpu.self_test((moved, gone))
+    assert "megatron.core.transformer.utils.get_default_causal_mask" in str(caught.value)
+    assert "no_such_function no longer exists" in str(caught.value)
+    with pytest.raises(mcore_cpu.MegatronCpuError, match="megatron-core .* checked on 0.15.0"):
+        mcore_cpu.self_test((), {"megatron-core": ("0.15.0",), "torch": mcore_cpu.CHECKED_VERSIONS["torch"]})
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_name_map_is_invertible_and_gives_megatron_cores_own_keys(name, converted):
+    config, state, _, _ = converted(name)
+    mg = mindformers_to_megatron(state, config.model)
+    core = config.training.megatron_core_version
+    names = te_to_local_names(config.model, core)
+    assert len(set(names.values())) == len(names)  # one to one
+    assert local_to_te(te_to_local(mg, config.model, core), config.model, core).keys() == mg.keys()
+    with mcore_cpu.megatron_core_on_cpu(seed=1):
+        net = build_gpt_model(config.model, config.training)
+    assert set(te_to_local(mg, config.model, core)) == {k for k in net.state_dict() if not k.endswith("._extra_state")}
+
+
+def applicable_faults(name):
+    config = load_config(name)
+    found = []
+    for fault in FAULTS:
+        try:
+            inject_fault(conversion_plan(config.model), fault, config.model, config.training.megatron_core_version)
+        except CheckpointError:
+            continue
+        found.append(fault)
+    return found
+
+
+CASES = [(name, fault) for name in CONFIGS for fault in [None, *applicable_faults(name)]]
+
+
+def test_every_fault_is_injected_on_some_config():
+    assert {fault for _, fault in CASES if fault} == set(FAULTS)
+
+
+@pytest.mark.parametrize("name, fault", CASES)
+def test_megatron_core_catches_each_conversion_fault(name, fault, converted):
+    config, state, batch, reference = converted(name)
+    faulty = mindformers_to_megatron(state, config.model, fault=fault)
+    if fault in KEY_FAULTS:
+        with pytest.raises(McoreLoadError) as caught:
+            mcore_outputs(config, faulty, batch)
+        assert KEY_FAULTS[fault] in str(caught.value)
+        return
+    checks = {c.name: c for c in compare_outputs(reference, mcore_outputs(config, faulty, batch))}
+    if fault is None:  # a correct conversion: megatron-core and the PyTorch reference agree
+        assert all(c.passed for c in checks.values()), checks
+        assert max(c.max_rel for c in checks.values()) <= 1e-5
+    else:
+        assert not checks["logits"].passed and not checks["lm loss"].passed, (fault, checks)
+
+
+def load_launcher():
+    spec = importlib.util.spec_from_file_location("pretrain_qwen35_under_test", LAUNCHER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stock_builders(version):
+    """A gpt_builders module whose gpt_builder picks the decoder and MTP specs by name, as core 0.16 / 0.19 do."""
+    module = type(sys)("gpt_builders")
+    module.get_transformer_block_with_experimental_attention_variant_spec = lambda config, vp_stage=None: "stock block"
+    if version == "0.16":
+        module.get_gpt_decoder_layer_specs = lambda config, **kwargs: ["stock standard layer"]
+
+        def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None):
+            block = module.get_transformer_block_with_experimental_attention_variant_spec(config=config, vp_stage=vp_stage)
+            return block, module.get_gpt_decoder_layer_specs(config, use_transformer_engine=False, vp_stage=vp_stage)[-1]
+    else:
+        module.get_transformer_layer_with_experimental_attention_variant_spec = lambda config: ["stock layer"]
+
+        def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None):
+            block = module.get_transformer_block_with_experimental_attention_variant_spec(config=config, vp_stage=vp_stage)
+            return block, module.get_transformer_layer_with_experimental_attention_variant_spec(config=config)[-1]
+    module.gpt_builder = gpt_builder
+    return module
+
+
+@pytest.mark.parametrize("version", ["0.16", "0.19"])
+def test_launcher_builds_with_its_own_layer_specs_during_a_gdn_build(version):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.attention import SelfAttention
+
+    launcher, builders = load_launcher(), stock_builders(version)
+    config = load_config("qwen35_moe_tiny")
+    mcore_config = transformer_config(config.model, config.training)
+    wrapped = launcher.wrap_builder(builders)
+    gdn = type("Args", (), {"experimental_attention_variant": "gated_delta_net", "transformer_impl": "local"})()
+    with mcore_cpu.megatron_core_on_cpu(seed=1):  # the stage slicing reads the parallel state
+        block, mtp_layer = wrapped(gdn, True, True, vp_stage=None, config=mcore_config)
+    mixers = [spec.submodules.self_attention.module for spec in block.layer_specs]
+    assert mixers == [GatedDeltaNet, GatedDeltaNet, GatedDeltaNet, SelfAttention]
+    assert mtp_layer.submodules.self_attention.module is SelfAttention  # the model's last layer: full attention
+    assert builders.gpt_builder(gdn, True, True, config=mcore_config)[0] == "stock block"  # restored after the build
+    plain = type("Args", (), {"experimental_attention_variant": None})()
+    assert wrapped(plain, True, True, config=mcore_config)[0] == "stock block"
+
+
+def test_launcher_finds_the_checkout_through_the_import_path(tmp_path, monkeypatch):
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    (checkout / "gpt_builders.py").write_text("")
+    (checkout / "pretrain_gpt.py").write_text("")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("MEGATRON_LM_PATH", raising=False)
+    launcher = load_launcher()
+    assert launcher.find_checkout() is None
+    monkeypatch.syspath_prepend(str(checkout))
+    assert Path(launcher.find_checkout()) == checkout
+
+
+def test_megatron_core_trains_as_the_reference_trainer(tmp_path):
+    """Same weights, same batches: megatron-core's DDP, optimizer and scheduler log what our PyTorch trainer logs."""
+    base = load_config("qwen35_moe_tiny")
+    training = base.training.model_copy(update=dict(train_iters=4, lr_warmup_iters=2, seq_length=32,
+                                                    global_batch_size=4, micro_batch_size=2))
+    config = base.model_copy(update={"training": training})
+    mg = mindformers_to_megatron(random_mindformers_state(config.model, seed=11), config.model)
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (4, 4, 33), dtype=np.int64)
+    logs = {}
+    for label, module in (("reference", torch_trainer), ("megatron-core", mcore_trainer)):
+        request = TrainRequest(config=config, side="megatron", mode="align",
+                               data=DatasetFiles(tmp_path / "data", tmp_path / "tokenizer.json"),
+                               output_dir=tmp_path / label, init_checkpoint=tmp_path / "checkpoint")
+        module.run_training(request, mg, 1, tokens)
+        logs[label] = [line.split("| learning rate:")[1].split("| number of skipped")[0]
+                       for line in request.log_path.read_text().splitlines() if "| learning rate:" in line]
+    assert len(logs["megatron-core"]) == 4
+    for ours, theirs in zip(logs["reference"], logs["megatron-core"]):
+        a = dict(part.strip().split(": ") for part in ours.split("|") if ":" in part)
+        b = dict(part.strip().split(": ") for part in theirs.split("|") if ":" in part)
+        assert a.keys() == b.keys() and {"lm loss", "load_balancing_loss", "mtp_1 loss", "grad norm"} <= a.keys()
+        for key in a:
+            assert float(a[key]) == pytest.approx(float(b[key]), rel=2e-6, abs=1e-3 if key == "grad norm" else 0)
+
+
+def test_megatron_core_refuses_a_warmup_that_megatron_asserts_on(tmp_path):
+    config = load_config("qwen35_dense_tiny")
+    config = config.model_copy(update={"training": config.training.model_copy(update=dict(train_iters=5))})
+    request = TrainRequest(config=config, side="megatron", mode="align",
+                           data=DatasetFiles(tmp_path / "data", tmp_path / "tokenizer.json"),
+                           output_dir=tmp_path / "out", init_checkpoint=tmp_path / "checkpoint")
+    with pytest.raises(ValueError, match="lr_warmup_iters 5 must be below training.train_iters 5"):
+        mcore_trainer.run_training(request, {}, 1, np.zeros((5, 4, 129), dtype=np.int64))
