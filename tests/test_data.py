@@ -233,6 +233,11 @@ def test_settings_from_megatron_arguments_use_megatron_defaults():
         (42, "bare", 96, "cyclic")
     with pytest.raises(SampleOrderError, match="--data-path"):
         SampleOrderSettings.from_megatron_args(["--seq-length", "128", "--train-iters", "1"])
+    # read by the one Megatron argument reader (launch_files): a bad value is named, not an argparse exit
+    with pytest.raises(SampleOrderError, match="--seq-length '2k' is not an integer"):
+        SampleOrderSettings.from_megatron_args(["--data-path", "/d/p", "--seq-length", "2k", "--train-samples", "8"])
+    assert SampleOrderSettings.from_megatron_args(["--data-path=/d/p", "--seq-length=128",
+                                                   "--train-samples=8"]).num_samples == 8
 
 
 def test_settings_from_mindformers_yaml_use_mindformers_defaults(tiny):

@@ -10,12 +10,12 @@ MindFormers YAML document (what the real launches do).
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, Mapping, Sequence
 
 from crossalign.config import TrainingConfig
+from crossalign.launch_files import parse_megatron_args
 
 Blend = Literal["bare", "weighted"]
 LoaderType = Literal["single", "cyclic"]
@@ -86,44 +86,49 @@ class SampleOrderSettings:
     @classmethod
     def from_megatron_args(cls, args: Sequence[str], data_parallel_size: int = 1) -> "SampleOrderSettings":
         """The settings a Megatron-LM ``pretrain_gpt.py`` argument list implies, with Megatron's defaults."""
-        parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-        parser.add_argument("--seed", type=int, default=MEGATRON_DEFAULT_SEED)
-        parser.add_argument("--split", default=None)
-        parser.add_argument("--data-path", nargs="*", default=None)
-        parser.add_argument("--seq-length", type=int, default=None)
-        parser.add_argument("--train-iters", type=int, default=None)
-        parser.add_argument("--train-samples", type=int, default=None)
-        parser.add_argument("--global-batch-size", type=int, default=None)
-        parser.add_argument("--micro-batch-size", type=int, default=1)
-        parser.add_argument("--dataloader-type", default=None)
-        parser.add_argument("--mid-level-dataset-surplus", type=float, default=BLEND_SURPLUS)
-        parser.add_argument("--no-data-sharding", action="store_true")
-        known, _ = parser.parse_known_args(list(args))
+        parsed = parse_megatron_args(args)
+
+        def value(flag: str, kind, default=None):
+            values = parsed.get(flag)
+            if not values:
+                return default
+            try:
+                return kind(values[0])
+            except ValueError:
+                raise SampleOrderError(f"Megatron arguments: {flag} {values[0]!r} is not "
+                                       f"{'an integer' if kind is int else 'a number'}") from None
 
         def missing(flag: str) -> SampleOrderError:
             return SampleOrderError(f"Megatron arguments: {flag} is required to derive the sample order")
 
-        if not known.data_path:
+        data_path = parsed.get("--data-path")
+        seq_length = value("--seq-length", int)
+        train_samples, train_iters = value("--train-samples", int), value("--train-iters", int)
+        global_batch_size = value("--global-batch-size", int)
+        if not data_path:
             raise missing("--data-path")
-        if known.seq_length is None:
+        if seq_length is None:
             raise missing("--seq-length")
-        if known.train_samples is not None:
-            num_samples = known.train_samples
-        elif known.train_iters is not None and known.global_batch_size is not None:
-            num_samples = known.train_iters * known.global_batch_size
+        if train_samples is not None:
+            num_samples = train_samples
+        elif train_iters is not None and global_batch_size is not None:
+            num_samples = train_iters * global_batch_size
         else:
             raise missing("--train-iters with --global-batch-size (or --train-samples)")
-        loader = known.dataloader_type or "single"
+        loader = value("--dataloader-type", str, "single")
         if loader not in ("single", "cyclic"):
             raise SampleOrderError(f"Megatron arguments: --dataloader-type {loader} has no modelled sample order")
-        if loader == "cyclic" and known.no_data_sharding and data_parallel_size > 1:
+        if loader == "cyclic" and "--no-data-sharding" in parsed and data_parallel_size > 1:
             raise SampleOrderError("Megatron arguments: --no-data-sharding with several data-parallel ranks "
                                    "is not modelled")
-        return cls(seed=known.seed, split=known.split if known.split is not None else MEGATRON_DEFAULT_SPLIT,
-                   seq_length=known.seq_length, num_samples=num_samples,
-                   blend=_blend_form(known.data_path, "Megatron arguments: --data-path"),
-                   dataloader_type=loader, micro_batch_size=known.micro_batch_size,
-                   data_parallel_size=data_parallel_size, surplus=known.mid_level_dataset_surplus)
+        split = value("--split", str)
+        return cls(seed=value("--seed", int, MEGATRON_DEFAULT_SEED),
+                   split=split if split is not None else MEGATRON_DEFAULT_SPLIT,
+                   seq_length=seq_length, num_samples=num_samples,
+                   blend=_blend_form(data_path, "Megatron arguments: --data-path"),
+                   dataloader_type=loader, micro_batch_size=value("--micro-batch-size", int, 1),
+                   data_parallel_size=data_parallel_size,
+                   surplus=value("--mid-level-dataset-surplus", float, BLEND_SURPLUS))
 
     @classmethod
     def from_mindformers_yaml(cls, document: Mapping[str, Any]) -> "SampleOrderSettings":
