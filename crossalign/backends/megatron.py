@@ -78,7 +78,8 @@ def null_tokenizer_vocab_size(vocab_size_arg: int, core_version: str | tuple[int
 
 def null_tokenizer_vocab_arg(rows: int, core_version: str | tuple[int, ...]) -> int:
     """The ``--vocab-size`` that makes NullTokenizer report exactly ``rows`` (the checkpoint's embedding rows)."""
-    return rows - (null_tokenizer_vocab_size(rows, core_version) - rows)
+    added = null_tokenizer_vocab_size(rows, core_version) - rows  # the eod row NullTokenizer adds: 1 or 0
+    return rows - added
 
 
 def _num(value: float) -> str:
