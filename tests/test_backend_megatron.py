@@ -272,6 +272,17 @@ def test_gpu_probe_names_the_python_mismatch(checkout: Path):
     assert not check.ok and "requires Python >=3.99 (requires-python in its pyproject.toml)" in check.detail
 
 
+@pytest.mark.timeout(60)
+def test_remote_run_script_checks_the_python_where_it_runs(tmp_path: Path, checkout: Path):
+    # a remote host's checkout and interpreter cannot be read from here: the run script checks them there
+    require_python(checkout, ">=3.99")
+    site = SiteConfig(megatron=FrameworkSite(path=checkout, python=sys.executable, ssh_host="gpu01"),
+                      ssh_hosts={"gpu01": {"hostname": "10.0.0.12"}})
+    with pytest.raises(BackendRunError, match=r"(?s)exited with status 2.*is Python 3\.\d+\.\d+, but this "
+                                              r"Megatron-LM checkout requires Python >=3.99"):
+        MegatronBackend(site=site).train(request_for(tmp_path, []))
+
+
 def test_relative_checkout_and_step_paths_are_made_absolute(tmp_path: Path, checkout: Path, monkeypatch):
     """The run script cds into the checkout: every path it names must hold from there."""
     monkeypatch.chdir(tmp_path)
@@ -284,29 +295,3 @@ def test_relative_checkout_and_step_paths_are_made_absolute(tmp_path: Path, chec
     text = script.read_text()
     assert f"export PYTHONPATH={checkout}\n" in text and f"cd {checkout}\n" in text
     assert f"{tmp_path / request.output_dir / LAUNCHER.name}" in text
-
-
-def test_launcher_swaps_the_layer_specs_only_during_an_mtp_gdn_build():
-    spec = importlib.util.spec_from_file_location("pretrain_qwen35", LAUNCHER)
-    launcher = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(launcher)
-
-    builders = type(sys)("gpt_builders")
-
-    def standard_specs(config, *args, **kwargs):
-        return ["standard"]
-
-    def gpt_builder(args, pre_process, post_process, vp_stage=None):
-        return builders.get_gpt_decoder_layer_specs(None, vp_stage=vp_stage)[-1]
-
-    builders.get_gpt_decoder_layer_specs, builders.gpt_builder = standard_specs, gpt_builder
-    wrapped = launcher.wrap_builder(builders)
-    assert wrapped.__wrapped__ is gpt_builder
-
-    seen = []
-    launcher.hybrid_block_layer_specs = lambda config, *a, vp_stage=None, **k: seen.append(vp_stage) or ["gdn", "attn"]
-    gdn = type("Args", (), {"experimental_attention_variant": "gated_delta_net", "mtp_num_layers": 1})()
-    assert wrapped(gdn, True, True, vp_stage=0) == "attn" and seen == [0]
-    assert builders.get_gpt_decoder_layer_specs is standard_specs  # restored after the build
-    plain = type("Args", (), {"experimental_attention_variant": None, "mtp_num_layers": 1})()
-    assert wrapped(plain, True, True) == "standard"

@@ -42,6 +42,7 @@ class RunScript:
     env: Mapping[str, str]
     title: str
     required_files: Sequence[str] = ()  # relative to cwd; the script stops with a clear message if one is missing
+    checks: Sequence[Sequence[str]] = ()  # commands run in cwd before the command; one that fails stops the script
     staged_in: Path | None = None  # the step's staging folder the paths below name
     published_as: Path | None = None  # ... and the folder it becomes when the step commits
 
@@ -60,6 +61,8 @@ class RunScript:
         for name in self.required_files:
             where = re.sub(r'([\\"$`])', r"\\\1", f"{self.cwd}/{name}")
             lines.append(f'[ -e {shlex.quote(name)} ] || {{ echo "{where} not found on $(hostname)" >&2; exit 2; }}')
+        for check in self.checks:
+            lines.append(" ".join(map(shlex.quote, check)) + " || exit 2")
         lines.append("exec " + " \\\n    ".join(self._command_lines()))
         return "\n".join(lines) + "\n"
 

@@ -325,6 +325,17 @@ def python_mismatch(checkout: Path, python: str) -> str | None:
     return None
 
 
+# Run by the framework's interpreter in the checkout, on the host that trains (a remote host's checkout
+# and interpreter cannot be checked from here): Megatron-LM states ">=X.Y" (pyproject.toml of every tag).
+REQUIRES_PYTHON_CHECK = """
+import re, sys
+found = re.search(r'requires-python\\s*=\\s*"\\s*>=\\s*(\\d+)\\.(\\d+)', open("pyproject.toml").read())
+if found and sys.version_info[:2] < (int(found[1]), int(found[2])):
+    sys.exit(f"{sys.executable} is Python {sys.version.split()[0]}, but this Megatron-LM checkout requires "
+             f"Python >={found[1]}.{found[2]} (requires-python in its pyproject.toml)")
+"""
+
+
 def entry_point(checkout: Path, version: tuple[int, ...]) -> Path:
     """pretrain_gpt.py, or our launcher where this megatron-core builds MTP from the wrong specs."""
     if version < GDN_FIRST_VERSION:
@@ -383,7 +394,8 @@ class MegatronBackend(FrameworkBackend):
         env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "MEGATRON_LM_PATH": str(checkout), **site.env}
         command = [site.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    "--nproc_per_node", str(site.nproc_per_node), str(entry), *args]
-        return RunScript(command=command, cwd=checkout, env=env, required_files=("pretrain_gpt.py",),
+        checks = [(site.python, "-c", REQUIRES_PYTHON_CHECK)] if site.ssh_host is not None else []
+        return RunScript(command=command, cwd=checkout, env=env, required_files=("pretrain_gpt.py",), checks=checks,
                          staged_in=request.output_dir, published_as=request.published_dir,
                          title=f"Megatron-LM {'.'.join(map(str, version))}: {request.config.model.name}, "
                                f"{request.iterations} iterations")
