@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 
 from conftest import pynative_writing_pid
-from crossalign.store import STEP_NAMES, RunStore
+from crossalign.store import MANIFEST, STEP_NAMES, RunStore, sha256_file
 
 pytestmark = pytest.mark.slow
 
 CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))
-TINY = ["--set", "training.base_train_iters=3", "--set", "training.train_iters=5", "--set", "training.seq_length=64",
+# warmup below train_iters: Megatron's lr scheduler asserts lr_warmup_steps < lr_decay_steps (= train_iters)
+TINY = ["--set", "training.base_train_iters=3", "--set", "training.train_iters=5", "--set", "training.lr_warmup_iters=2",
+        "--set", "training.seq_length=64",
         "--set", "training.global_batch_size=2", "--set", "training.micro_batch_size=2"]
 RUN_TIMEOUT_S = 600
 
@@ -80,6 +82,12 @@ def test_killed_step_is_retried_and_nothing_partial_is_consumed(embedded):
         "the logger prefix names the committed step folder, not its staging folder"
     summary = json.loads((run.step_dir("compare") / "summary.json").read_text())
     assert summary["verdict"] == "pass"
+    # what the embedded fp32 run really achieves, not only a pass: step 1 under the gold standard,
+    # a mean error under 1e-4, every one of the config's train_iters steps compared
+    assert summary["gold_standard"] and summary["coverage"]["compared"] == summary["coverage"]["expected"] == 5
+    for name in ("lm_loss", "mtp_1_loss"):
+        assert summary["series"][name]["step1_rel_err"] < summary["criteria"]["gold_step1_rel_err_max"], name
+        assert summary["series"][name]["mean_rel_err"] < 1e-4, name
     (embedded["root"] / "timings.json").write_text(json.dumps({"embedded_run_with_retry_s": round(seconds, 1)}))
     print(f"\nembedded run with one killed step: {seconds:.1f} s")
 
@@ -105,17 +113,24 @@ def test_failed_verdict_exits_1_without_retry_and_reruns_only_compare(embedded, 
     run = RunStore(embedded["store"]).run("k1")
     if not run.is_done("compare"):
         pytest.skip("needs the finished run of the previous test")
-    before = {step: run.manifest(step) for step in STEP_NAMES}
     gpu_log = run.step_dir("megatron-train") / "train.log"
-    original = gpu_log.read_text()
-    # a Megatron log whose losses are 3% higher: what a broken conversion looks like to the comparator
+    manifest_path = run.step_dir("megatron-train") / MANIFEST
+    original, original_manifest = gpu_log.read_text(), manifest_path.read_text()
+    # a Megatron log whose losses are 3% higher (what a broken conversion looks like to the comparator),
+    # committed as if Megatron had written it: otherwise the rerun would see a damaged output and redo the step
     gpu_log.write_text(original.replace("lm loss: 7.", "lm loss: 7.2").replace("lm loss: 6.", "lm loss: 6.2"))
+    manifest = json.loads(original_manifest)
+    entry = next(o for o in manifest["outputs"] if o["path"] == "train.log")
+    entry.update(size=gpu_log.stat().st_size, sha256=sha256_file(gpu_log))
+    manifest_path.write_text(json.dumps(manifest))
+    before = {step: run.manifest(step) for step in STEP_NAMES}
     try:
         failed = subprocess.run([CROSSALIGN, "rerun", "k1", "--step", "compare", "--store", str(run.store.root),
                                  "--retry-delay", "1"], env={**embedded["env"], "PREFECT_API_URL": prefect_server.api_url},
                                 cwd=embedded["root"], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     finally:
         gpu_log.write_text(original)
+        manifest_path.write_text(original_manifest)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "verdict: fail" in failed.stdout
     for step in STEP_NAMES[:-1]:
