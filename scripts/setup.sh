@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up crossalign on a fresh machine: a virtual environment in .venv with the embedded CPU
 # backends (MindSpore 2.10 CPU, torch 2.13.0 CPU, fla-core, megatron-core). With --dev, also the
-# test tools, the OpenSSH server that the SSH runner's tests start on loopback, and PostgreSQL
-# for the tests and benchmark of a Prefect server on PostgreSQL.
+# test tools, the OpenSSH server that the SSH runner's tests start on loopback, PostgreSQL for
+# the tests and benchmark of a Prefect server on PostgreSQL, and headless Chromium for the test
+# that opens a run's artifacts and report in a browser.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +16,9 @@ if [[ "${1:-}" == "--dev" ]]; then
     fi
     if ! command -v pg_config >/dev/null 2>&1 && ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
         packages+=(postgresql)
+    fi
+    if ! command -v chromium >/dev/null 2>&1; then
+        packages+=(chromium)
     fi
     if (( ${#packages[@]} )); then
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null) \

@@ -1,5 +1,7 @@
 """Distributed mode end to end: a real Prefect server, the deployments of prefect.yaml, one process
-worker per pool started by ``crossalign agent start``, the tiny dense alignment through run_deployment."""
+worker per pool started by ``crossalign agent start``, the report server (``crossalign serve``), the tiny
+dense alignment through the ``dense-tiny`` deployment, its artifacts and report in headless Chromium, a
+damaged output caught on a Retry, one step redone through the ``rerun`` deployment, the nightly alert."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, pynative_writing_pid
+from conftest import free_port, pynative_writing_pid, stop_process
 from crossalign.agents.server import local_agents
 from crossalign.store import STEPS, RunStore
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["training.base_train_iters=3", "training.train_iters=5", "training.seq_length=64",
-        "training.global_batch_size=2", "training.micro_batch_size=2"]
+        "training.global_batch_size=2", "training.micro_batch_size=2", "training.lr_warmup_iters=2"]
 POOLS = ("orchestrator", "npu", "cpu", "gpu")
 DAG_TIMEOUT_S = 420
 
@@ -41,13 +43,22 @@ def stack(prefect_server, tmp_path_factory):
     """Pools and deployments on the server, and one worker per pool started through `crossalign agent start`."""
     root = tmp_path_factory.mktemp("distributed")
     store = root / "store"
+    store.mkdir()
     site = root / "site.yaml"
-    site.write_text(f"store: {store}\nbackends: {{npu: local, gpu: local}}\n")
+    report_url = f"http://127.0.0.1:{free_port()}/"
+    site.write_text(f"store: {store}\nbackends: {{npu: local, gpu: local}}\nreport_url: {report_url}\n")
     env = {**prefect_server.env, "CROSSALIGN_SITE": str(site)}
-    with local_agents(env, site, log_dir=root, pools=POOLS):  # they probe their machine while the flows deploy
-        deployed = _crossalign("deploy", "--prefect-file", str(REPO / "prefect.yaml"), env=env)
-        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        yield {"store": store, "site": site, "env": env, "root": root}
+    with open(root / "serve.log", "w") as log:
+        reports = subprocess.Popen([CROSSALIGN, "serve", "--port", report_url.rsplit(":", 1)[1].rstrip("/")],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with local_agents(env, site, log_dir=root, pools=POOLS):  # they probe their machine while the flows deploy
+            deployed = _crossalign("deploy", "--prefect-file", str(REPO / "prefect.yaml"), env=env)
+            assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+            yield {"store": store, "site": site, "env": env, "root": root, "report_url": report_url,
+                   "ui_url": prefect_server.ui_url}
+    finally:
+        stop_process(reports)
 
 
 def _flow_runs_by_name(client, run_id: str) -> dict[str, object]:
@@ -76,9 +87,9 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
 
     run_id = "e2e-dense"
     started = time.monotonic()
-    parent = run_deployment("alignment/dense", timeout=0, parameters={
-        "config": "qwen35_dense_tiny", "run_id": run_id, "overrides": TINY, "store": str(stack["store"]),
-        "poll_interval_s": 1.0, "retry_delay_s": 1.0})
+    parent = run_deployment("alignment/dense-tiny", timeout=0, parameters={  # its config: qwen35_dense_tiny
+        "run_id": run_id, "overrides": TINY, "store": str(stack["store"]), "poll_interval_s": 1.0,
+        "retry_delay_s": 1.0})
     run_dir = stack["store"] / run_id
 
     killed = _wait_for(lambda: pynative_writing_pid(run_dir), DAG_TIMEOUT_S, "pynative-train writing its log")
@@ -88,6 +99,9 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
                           DAG_TIMEOUT_S, "the parent flow run to finish")
     wall = time.monotonic() - started
     assert final.state.is_completed(), f"{final.state.name}: {final.state.message}\n" + _worker_logs(stack)
+    assert final.name == run_id, "the parent is named after the store's run id"
+    report_link = f"{stack['report_url']}{run_id}/06-compare/report.html"
+    assert final.state.message == f"run {run_id}: verdict pass; report {report_link}"
 
     run = RunStore(stack["store"]).run(run_id)
     assert all(run.is_done(spec.name) for spec in STEPS)
@@ -124,8 +138,14 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
             "megatron-train-progress"])))
         assert progress and progress[-1].type == "progress" and float(progress[-1].data) == 100.0
         report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
-            "compare-metrics", "alignment-steps"])))
-        assert {a.key for a in report} == {"compare-metrics", "alignment-steps"}
+            "compare-metrics", "alignment-steps", "compare-report-link", "compare-loss-plot"])))
+        assert sorted(a.key for a in report) == ["alignment-steps", "compare-loss-plot", "compare-metrics",
+                                                 "compare-report-link"], "each made once"
+        assert {a.flow_run_id for a in report} == {parent.id}, "the parent shows them"
+        shown = {a.key: a for a in report}
+        assert shown["compare-loss-plot"].type == "image"
+        assert shown["compare-loss-plot"].data == f"{stack['report_url']}{run_id}/06-compare/loss.png"
+        assert report_link in shown["compare-report-link"].data
 
     # overhead: from the child's creation to its end, less the step's own committed work (manifest seconds);
     # queued: creation to Running (worker poll, process start, imports, flow load)
@@ -138,8 +158,96 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
     assert report["mean_overhead_s"] < 30, report
 
 
-def test_rerun_of_one_step_creates_one_new_child(stack, prefect_client_settings):
-    """A second parent with rerun=[compare] on the finished run: only compare runs again, as attempt 2."""
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def _browse(url: str, out: Path, *, screenshot: bool = False) -> str:
+    """The page's DOM after its scripts ran (up to 30 s of page time) in headless Chromium; a screenshot beside it."""
+    base = [_chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            "--no-first-run", f"--user-data-dir={out.with_suffix('.profile')}", "--virtual-time-budget=30000",
+            "--window-size=1400,1800"]
+    if screenshot:
+        subprocess.run([*base, f"--screenshot={out}", url], capture_output=True, timeout=180)
+    return subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
+
+
+def test_artifacts_and_report_open_in_a_browser(stack, prefect_client_settings):
+    """What a user sees in headless Chromium: the parent run's artifacts in the Prefect UI show the verdict
+    and the plot from the report server, the plot loads, the report link opens over HTTP."""
+    if _chromium() is None:
+        pytest.skip("headless Chromium is not installed (scripts/setup.sh --dev installs it)")
+    import urllib.request
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    run_id = "e2e-dense"
+    if not (stack["store"] / run_id / "06-compare").exists():
+        pytest.skip("needs the finished run of the first test")
+    with get_client(sync_client=True) as client:
+        parent = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_id])))[0]
+    page = _browse(f"{stack['ui_url']}/runs/flow-run/{parent.id}?tab=Artifacts", stack["root"] / "artifacts.png",
+                   screenshot=True)
+    plot = f"{stack['report_url']}{run_id}/06-compare/loss.png"
+    assert "verdict: pass" in page and plot in page, page[-3000:]
+    assert (stack["root"] / "artifacts.png").stat().st_size > 0
+    with urllib.request.urlopen(plot, timeout=30) as response:
+        assert response.status == 200 and response.headers["content-type"] == "image/png"
+        assert response.read()[:4] == b"\x89PNG"
+    report = _browse(f"{stack['report_url']}{run_id}/06-compare/report.html", stack["root"] / "report.png",
+                     screenshot=True)
+    assert "class=\"verdict\">PASS<" in report, report[:2000]
+    assert (stack["root"] / "report.png").stat().st_size > 0
+
+
+def _retry_from_the_ui(client, flow_run_id) -> None:
+    """What the UI's Retry button does to a failed flow run: AwaitingRetry, forced."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import State
+
+    client.set_flow_run_state(flow_run_id, State(type=StateType.SCHEDULED, name="AwaitingRetry",
+                                                 message="Retry from the UI"), force=True)
+
+
+def test_a_damaged_output_is_redone_on_a_retry_of_the_parent(stack, prefect_client_settings):
+    """The converted checkpoint is damaged (same size) after the run passed; the steps after it are to be redone.
+    The resumed parent trusts convert (sizes match) and megatron-train fails on it; a Retry of the parent
+    checks sha256, redoes convert and its downstream, and passes."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    run_id = "e2e-dense"
+    run = RunStore(stack["store"]).run(run_id)
+    if not run.is_done("compare"):
+        pytest.skip("needs the finished run of the first test")
+    run.invalidate("megatron-train")
+    before = {name: run.manifest(name) for name in ("base-train", "cast-bf16", "pynative-train")}
+    checkpoint = next(run.step_dir("convert").rglob("model_optim_rng.pt"))
+    size = checkpoint.stat().st_size
+    with open(checkpoint, "r+b") as handle:  # the zip directory at its end: unreadable, same size
+        handle.seek(size - 64)
+        handle.write(bytes(64))
+    parent = run_deployment("alignment/dense-tiny", timeout=DAG_TIMEOUT_S, poll_interval=1, parameters={
+        "run_id": run_id, "overrides": TINY, "store": str(stack["store"]), "poll_interval_s": 1.0,
+        "retry_delay_s": 1.0})
+    assert parent.state.is_failed(), f"{parent.state.name}: {parent.state.message}"
+    assert "megatron-train" in parent.state.message
+    assert run.is_done("convert") and not run.is_done("convert", checksums=True)
+
+    with get_client(sync_client=True) as client:
+        _retry_from_the_ui(client, parent.id)
+        final = _wait_for(lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(parent.id)),
+                          DAG_TIMEOUT_S, "the retried parent to finish")
+    assert final.state.is_completed(), f"{final.state.name}: {final.state.message}\n" + _worker_logs(stack)
+    assert final.run_count == 2 and "verdict pass" in final.state.message
+    assert run.is_done("convert", checksums=True) and run.is_done("compare")
+    assert {name: run.manifest(name) for name in before} == before, "the steps upstream of convert are skipped"
+
+
+def test_rerun_deployment_redoes_one_step_and_its_downstream(stack, prefect_client_settings):
+    """The `rerun` deployment with run_id and step=convert on the finished run: convert, megatron-train
+    and compare run again as new children; the other steps are skipped."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
@@ -148,18 +256,39 @@ def test_rerun_of_one_step_creates_one_new_child(stack, prefect_client_settings)
     if not run.is_done("compare"):
         pytest.skip("needs the finished run of the previous test")
     before = {spec.name: run.manifest(spec.name) for spec in STEPS}
-    parent = run_deployment("alignment/dense", timeout=DAG_TIMEOUT_S, poll_interval=2, parameters={
-        "config": None, "run_id": run_id, "rerun": ["compare"], "store": str(stack["store"]),
-        "poll_interval_s": 1.0})
-    assert parent.state.is_completed(), f"{parent.state.name}: {parent.state.message}"
-    for spec in STEPS[:-1]:
-        assert run.manifest(spec.name) == before[spec.name], f"{spec.name} must be skipped"
-    assert run.manifest("compare")["finished"] >= before["compare"]["finished"]
-    assert run.manifest("compare")["pid"] != before["compare"]["pid"]
     with get_client(sync_client=True) as client:
-        children = _flow_runs_by_name(client, f"{run_id}-compare")
-        assert set(children) == {f"{run_id}-compare", f"{run_id}-compare-2"}
-        assert children[f"{run_id}-compare-2"].idempotency_key == f"{run_id}:compare:2"
+        children_before = set(_flow_runs_by_name(client, run_id))
+    parent = run_deployment("rerun/rerun", timeout=DAG_TIMEOUT_S, poll_interval=2, parameters={
+        "run_id": run_id, "step": "convert", "store": str(stack["store"]), "poll_interval_s": 1.0})
+    assert parent.state.is_completed(), f"{parent.state.name}: {parent.state.message}"
+    assert parent.name == f"{run_id}-rerun-convert" and "verdict pass" in parent.state.message
+    redone = ("convert", "megatron-train", "compare")
+    for spec in STEPS:
+        if spec.name in redone:
+            assert run.manifest(spec.name)["finished"] >= before[spec.name]["finished"]
+            assert run.manifest(spec.name)["pid"] != before[spec.name]["pid"], f"{spec.name} must be redone"
+        else:
+            assert run.manifest(spec.name) == before[spec.name], f"{spec.name} must be skipped"
+    with get_client(sync_client=True) as client:
+        new_children = set(_flow_runs_by_name(client, run_id)) - children_before - {parent.name}
+    assert len(new_children) == len(redone), new_children
+    assert all(any(name.startswith(f"{run_id}-{step}-") for name in new_children) for step in redone), new_children
+
+
+def test_flow_parameters_are_validated_like_set(stack, prefect_client_settings):
+    """A deployment run with an unknown override key or a config that is neither shipped nor a valid file
+    fails before any step, naming the key or the file."""
+    from prefect.deployments import run_deployment
+
+    bad_key = run_deployment("alignment/dense-tiny", timeout=DAG_TIMEOUT_S, poll_interval=1, parameters={
+        "run_id": "bad-key", "overrides": ["training.trian_iters=3"], "store": str(stack["store"])})
+    assert bad_key.state.is_failed() and "training.trian_iters: unknown field" in bad_key.state.message
+    not_a_config = stack["root"] / "not-a-config.yaml"
+    not_a_config.write_text("model: {name: x}\n")
+    bad_file = run_deployment("alignment/dense-tiny", timeout=DAG_TIMEOUT_S, poll_interval=1, parameters={
+        "config": str(not_a_config), "run_id": "bad-file", "store": str(stack["store"])})
+    assert bad_file.state.is_failed() and f"{not_a_config}: invalid config" in bad_file.state.message
+    assert not (stack["store"] / "bad-key").exists() and not (stack["store"] / "bad-file").exists()
 
 
 class _Hook(BaseHTTPRequestHandler):
@@ -177,6 +306,7 @@ class _Hook(BaseHTTPRequestHandler):
 
 def test_automations_are_created_and_the_nightly_failure_alert_fires(stack, prefect_client_settings):
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.deployments import run_deployment
 
     port = free_port()
@@ -228,7 +358,18 @@ def test_automations_are_created_and_the_nightly_failure_alert_fires(stack, pref
         while not _Hook.received and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _Hook.received, "the webhook was not called"
-        assert failed.name in _Hook.received[0]["text"] and "Failed" in _Hook.received[0]["text"]
+        text = _Hook.received[0]["text"]
+        assert failed.name == "nightly-20261102" and failed.name in text and "Failed" in text
+        assert f"{stack['ui_url']}/runs/flow-run/{failed.id}" in text, "the alert links the run in the UI"
+        trend = f"{stack['report_url']}nightly/trend.png"
+        assert f"(trend: {trend})" in text, "and the trend plot on the report server"
+        import urllib.request
+
+        with urllib.request.urlopen(trend, timeout=30) as response:
+            assert response.status == 200 and response.read()[:4] == b"\x89PNG"
+        with get_client(sync_client=True) as client:
+            image = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["nightly-trend"])))
+        assert [(a.type, a.data, a.flow_run_id) for a in image] == [("image", trend, failed.id)]
     finally:
         hook.shutdown()
 

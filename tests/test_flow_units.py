@@ -14,7 +14,7 @@ import yaml
 from crossalign.config import ConfigError
 from crossalign.flows.launch import classify, deployment_name
 from crossalign.flows.retry import backoff_delays, retry_on_infrastructure
-from crossalign.store import STEPS
+from crossalign.store import STEP_NAMES, STEPS
 from crossalign.tasks.errors import (
     EXIT_DETERMINISTIC,
     InfrastructureError,
@@ -90,11 +90,36 @@ def test_prefect_yaml_routes_every_step_to_its_pool():
     for step in STEPS:
         entry = deployments[deployment_name(step.name)]
         assert entry["work_pool"]["name"] == step.pool
-    for parent in ("alignment/dense", "alignment/moe", "nightly/nightly"):
+    for parent in ("alignment/dense", "alignment/moe", "alignment/dense-tiny", "alignment/moe-tiny",
+                   "rerun/rerun", "nightly/nightly"):
         assert deployments[parent]["work_pool"]["name"] == "orchestrator"
+    assert deployments["alignment/dense-tiny"]["parameters"]["config"] == "qwen35_dense_tiny"
+    assert deployments["alignment/moe-tiny"]["parameters"]["config"] == "qwen35_moe_tiny"
     assert deployments["nightly/nightly"]["schedules"][0]["cron"] == "0 2 * * *"
     assert deployments["nightly/nightly"]["concurrency_limit"] == 1
     assert spec["pull"] == []
+
+
+def test_run_forms_explain_every_parameter_and_offer_the_shipped_configs_and_steps():
+    """What the UI's run form shows is the flow's parameter schema: a description for every parameter,
+    the shipped configs as choices beside a free path, the six steps as the rerun form's choices."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.importtools import import_object
+
+    from crossalign.config import CONFIG_DIR
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    for entrypoint in {entry["entrypoint"] for entry in spec["deployments"]}:
+        properties = parameter_schema(import_object(entrypoint).fn).model_dump()["properties"]
+        undocumented = [name for name, field in properties.items() if not field.get("description")]
+        assert not undocumented, f"{entrypoint}: no description for {undocumented}"
+    alignment = parameter_schema(import_object("crossalign.flows.alignment:alignment").fn).model_dump()
+    choices = alignment["properties"]["config"]["anyOf"]
+    assert choices[0]["enum"] == sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    assert {"type": "string"} in choices, "a config may also be a path"
+    rerun = parameter_schema(import_object("crossalign.flows.alignment:rerun").fn).model_dump()
+    assert rerun["required"] == ["run_id", "step"]
+    assert rerun["properties"]["step"]["enum"] == list(STEP_NAMES)
 
 
 def _summary(verdict: str, lm: float, mtp: float) -> dict:

@@ -1,14 +1,25 @@
-"""The throwaway Prefect server of the tests and benchmarks, on PostgreSQL as a site's server should be."""
+"""`crossalign server start`: the Prefect server on PostgreSQL with basic auth, and agents that stop on SIGTERM."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
 import socket
 import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from crossalign.agents.server import local_server, postgres_bindir
+from crossalign.agents.server import free_port, local_server, postgres_bindir, stop_process
+
+CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(postgres_bindir() is None, reason="PostgreSQL is not installed (scripts/setup.sh --dev)")]
@@ -19,22 +30,107 @@ def _port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_server_on_a_private_postgres_cluster_keeps_its_data_there(tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
-    with local_server(tmp_path / "home", database="postgres") as server:
-        assert server.database_url and server.database_url.startswith("postgresql+asyncpg://prefect@127.0.0.1:")
-        port = int(server.database_url.rsplit(":", 1)[1].split("/")[0])
-        with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
-            client.create_work_pool(WorkPoolCreate(name="written-to-postgres", type="process"))
-        rows = subprocess.run([str(postgres_bindir() / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", "prefect",
-                               "-d", "prefect", "-At", "-c", "select name from work_pool"],
-                              capture_output=True, text=True, check=True).stdout.split()
-        assert "written-to-postgres" in rows
-        assert not list(Path(server.home).glob("*.db")), "nothing went to SQLite"
-    assert not _port_open(port), "the cluster stops with the server"
+
+def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+            raise AssertionError(f"{what}: not within {timeout} s" + (f"\n{log.read_text()[-3000:]}" if log else ""))
+        time.sleep(0.5)
+
+
+def _start_server(args: list[str], env: dict[str, str], log: Path, port: int) -> subprocess.Popen:
+    """`crossalign server start` in the background, once it says it is up (and is)."""
+    ups = log.read_text().count("Prefect server up") if log.exists() else 0
+    with open(log, "a") as out:
+        proc = subprocess.Popen([CROSSALIGN, "server", "start", *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+    _wait(lambda: log.read_text().count("Prefect server up") > ups and _healthy(port), 180,
+          "crossalign server start", proc, log)
+    return proc
+
+
+def test_server_start_refuses_to_listen_beyond_loopback_without_basic_auth(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    done = subprocess.run([CROSSALIGN, "server", "start", "--host", "0.0.0.0", "--port", str(free_port()),
+                           "--data", str(tmp_path / "server")], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "PREFECT_SERVER_API_AUTH_STRING" in done.stderr and "--insecure" in done.stderr
+    assert not (tmp_path / "server").exists(), "nothing is started or written"
+
+
+def test_server_start_with_basic_auth_survives_a_restart_and_agents_stop_within_10_s(tmp_path):
+    """`crossalign server start` on its own PostgreSQL cluster, with basic auth and a public UI address;
+    an agent that finds the server through its site file; the server restarted (its data kept);
+    then SIGTERM stops the agent and its worker within 10 s."""
+    import psutil
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    data = Path(tempfile.mkdtemp(prefix="crossalign-server-"))  # PostgreSQL's user must reach it when run as root
+    data.chmod(0o755)
+    port, auth = free_port(), "admin:s3cret"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    server_args = ["--port", str(port), "--data", str(data), "--url", f"http://localhost:{port}"]
+    server_env = {**env, "PREFECT_SERVER_API_AUTH_STRING": auth}
+    server = _start_server(server_args, server_env, tmp_path / "server.out", port)
+    agent = None
+    try:
+        printed = (tmp_path / "server.out").read_text()
+        assert f"export PREFECT_API_URL=http://localhost:{port}/api" in printed, printed
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ui-settings", timeout=10) as response:
+            ui = json.loads(response.read())
+        assert ui["api_url"] == f"http://localhost:{port}/api" and ui["auth"] == "BASIC"
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/work_pools/filter", data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 401, "a request without credentials is refused"
+        assert not list(data.rglob("*.db")), "the database is PostgreSQL, not SQLite"
+
+        site = tmp_path / "site.yaml"
+        site.write_text(f"store: {tmp_path / 'store'}\nprefect_api_url: http://127.0.0.1:{port}/api\n")
+        with open(tmp_path / "agent.out", "w") as out:  # no PREFECT_API_URL: the site file names the server
+            agent = subprocess.Popen([CROSSALIGN, "agent", "start", "--pool", "cpu", "--site", str(site),
+                                      "--name", "restart-cpu"], env={**env, "PREFECT_API_AUTH_STRING": auth},
+                                     stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        settings = {PREFECT_API_URL: f"http://127.0.0.1:{port}/api", PREFECT_API_AUTH_STRING: auth}
+
+        def worker_registered() -> bool:
+            with temporary_settings(settings), get_client(sync_client=True) as client:
+                try:
+                    return any(w.name == "restart-cpu" for w in client.read_workers_for_work_pool("cpu"))
+                except Exception:
+                    return False
+
+        _wait(worker_registered, 180, "the agent's worker", agent, tmp_path / "agent.out")
+        worker = psutil.Process(agent.pid).children()
+        assert len(worker) == 1 and "worker" in worker[0].cmdline(), [w.cmdline() for w in worker]
+
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not _port_open(port)
+        server = _start_server(server_args, server_env, tmp_path / "server.out", port)
+        with temporary_settings(settings), get_client(sync_client=True) as client:
+            assert client.read_work_pool("cpu").name == "cpu", "the data survives the restart"
+        time.sleep(3)  # the worker polls the restarted server
+
+        started = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+        stopped_in = time.monotonic() - started
+        assert stopped_in < 10, f"the agent took {stopped_in:.1f} s to stop"
+        assert not worker[0].is_running() or worker[0].status() == psutil.STATUS_ZOMBIE, "the worker is gone too"
+    finally:
+        if agent is not None:
+            stop_process(agent)
+        stop_process(server, timeout=60)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def test_an_unknown_database_is_refused(tmp_path):

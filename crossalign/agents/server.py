@@ -1,10 +1,11 @@
-"""A Prefect server on a free loopback port with its own PREFECT_HOME: for tests and benchmarks of distributed mode.
+"""A Prefect server with its own PREFECT_HOME: ``crossalign server start``, and the tests and benchmarks.
 
-A site runs its own server (``prefect server start`` on PostgreSQL, or Prefect Cloud); this one
-lives as long as the ``with`` block and leaves nothing behind but its home folder. Its database is
-SQLite in the home folder, or a private PostgreSQL cluster: with several workers polling, SQLite
-answers some writes with "database is locked", and Prefect's client waits 2 s, then 4 s, before it
-tries again, which is how a site's server should not be run.
+The server lives as long as the ``with`` block. Its database is SQLite in the home folder, a
+PostgreSQL cluster of its own (thrown away with the block, or kept in a folder), or the site's
+PostgreSQL: with several workers polling, SQLite answers some writes with "database is locked",
+and Prefect's client waits 2 s, then 4 s, before it tries again, which is how a site's server
+should not be run. The server is told its public address (``PREFECT_UI_API_URL``,
+``PREFECT_UI_URL``), so that a browser on another machine reaches its API and alerts link to it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from typing import Iterator, Literal
 Database = Literal["sqlite", "postgres"]
 
 START_TIMEOUT_S = 120
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"  # user:password the server asks for (Prefect's basic auth)
+CLIENT_AUTH_ENV = "PREFECT_API_AUTH_STRING"  # the same, sent by agents and the CLI
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class LocalServer:
     home: Path
     env: dict[str, str]  # the environment for processes that talk to this server (agents, CLI, clients)
     database_url: str | None = None  # the PostgreSQL database, or None for SQLite in home
+    ui_url: str = ""  # the address browsers and alert links use
+    process: subprocess.Popen | None = None
 
 
 def free_port() -> int:
@@ -72,22 +78,31 @@ def postgres_bindir() -> Path | None:
 
 
 @contextmanager
-def local_postgres() -> Iterator[str]:
-    """A throwaway PostgreSQL cluster on a free loopback port; yields Prefect's connection URL for it.
+def local_postgres(keep_in: Path | None = None) -> Iterator[str]:
+    """A PostgreSQL cluster on a free loopback port; yields Prefect's connection URL for it.
 
-    PostgreSQL refuses to run as root, so a root caller runs it as the ``postgres`` user, in a
-    folder of its own under the system's temporary directory.
+    The cluster is thrown away afterwards, or kept in ``keep_in`` (created there the first time,
+    started again from there later). PostgreSQL refuses to run as root, so a root caller runs it
+    as the ``postgres`` user, in a folder of its own (by default under the system's temporary
+    directory), which that user must be able to reach.
     """
     bindir = postgres_bindir()
     if bindir is None:
         raise ServerStartError("PostgreSQL is not installed (no pg_config, no /usr/lib/postgresql/*/bin/initdb); "
                                "on Debian: apt-get install postgresql")
-    folder = Path(tempfile.mkdtemp(prefix="crossalign-postgres-"))
+    if keep_in is None:
+        folder = Path(tempfile.mkdtemp(prefix="crossalign-postgres-"))
+    else:
+        folder = Path(keep_in).expanduser().absolute()
+        folder.mkdir(parents=True, exist_ok=True)
     as_user: list[str] = []
     if os.geteuid() == 0:
         owner = pwd.getpwnam("postgres")
         os.chown(folder, owner.pw_uid, owner.pw_gid)
         as_user = ["runuser", "-u", "postgres", "--"]
+        if subprocess.run([*as_user, "test", "-w", str(folder)]).returncode != 0:
+            raise ServerStartError(f"{folder}: PostgreSQL runs as user postgres, which cannot reach this folder; "
+                                   "choose one below a folder every user may enter (e.g. /var/lib/crossalign)")
     port, data, log = free_port(), folder / "data", folder / "postgres.log"
 
     def run(*argv: str) -> None:
@@ -98,39 +113,54 @@ def local_postgres() -> Iterator[str]:
                                    f"{(done.stderr or done.stdout).strip()[-2000:]}\n{tail}")
 
     try:
-        run(str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "prefect", "--no-sync")
+        created = not (data / "PG_VERSION").exists()
+        if created:
+            run(str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "prefect", "--no-sync")
         run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-o",
             f"-p {port} -k {folder} -c listen_addresses=127.0.0.1", "start")
         try:
-            run(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "prefect", "prefect")
+            if created:
+                run(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "prefect", "prefect")
             yield f"postgresql+asyncpg://prefect@127.0.0.1:{port}/prefect"
         finally:
             subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"],
                            capture_output=True, cwd=folder)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if keep_in is None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager
-def local_server(home: Path, *, scheduler: bool = False, database: Database = "sqlite") -> Iterator[LocalServer]:
-    """``prefect server start`` on 127.0.0.1 with ``home`` as PREFECT_HOME, without telemetry.
+def local_server(home: Path, *, scheduler: bool = False, database: Database = "sqlite", host: str = "127.0.0.1",
+                 port: int | None = None, ui_url: str | None = None, database_url: str | None = None,
+                 postgres_dir: Path | None = None) -> Iterator[LocalServer]:
+    """``prefect server start`` on ``host:port`` (default: loopback, a free port) with ``home`` as PREFECT_HOME.
 
     ``scheduler`` off keeps prefect.yaml's nightly cron from starting a real nightly while the
-    block runs; ``database`` is SQLite in ``home`` or a private PostgreSQL cluster. Raises
+    block runs. ``database`` is SQLite in ``home`` or PostgreSQL: the one at ``database_url``, else
+    a private cluster, kept in ``postgres_dir`` if given. ``ui_url`` is the address browsers use
+    (default: ``http://<host>:<port>``). $PREFECT_SERVER_API_AUTH_STRING, if set, is passed on to
+    the server and, as PREFECT_API_AUTH_STRING, to the clients' environment. Raises
     ServerStartError with the end of the server log if it does not come up.
     """
     if database not in ("sqlite", "postgres"):
         raise ValueError(f"database {database!r}: sqlite or postgres")
-    with (local_postgres() if database == "postgres" else nullcontext(None)) as database_url:
-        with _server(home, scheduler, database_url) as server:
+    if database == "postgres" and database_url is None:
+        cluster = local_postgres(postgres_dir)
+    else:
+        cluster = nullcontext(database_url)
+    with cluster as url:
+        with _server(home, scheduler, url, host, port or free_port(), ui_url) as server:
             yield server
 
 
 @contextmanager
-def _server(home: Path, scheduler: bool, database_url: str | None) -> Iterator[LocalServer]:
+def _server(home: Path, scheduler: bool, database_url: str | None, host: str, port: int,
+            ui_url: str | None) -> Iterator[LocalServer]:
     home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
+    local_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    api_url = f"http://{local_host}:{port}/api"
+    ui_url = (ui_url or f"http://{local_host}:{port}").rstrip("/")
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
@@ -140,18 +170,23 @@ def _server(home: Path, scheduler: bool, database_url: str | None) -> Iterator[L
         "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "true" if scheduler else "false",
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
     }
+    if os.environ.get(AUTH_ENV):
+        env[CLIENT_AUTH_ENV] = os.environ[AUTH_ENV]
+    # the UI in a browser elsewhere calls the API at its public address, and alerts link to the UI there;
     # SQLite on a busy 2-core machine: wait for the database lock instead of answering 503
     server_env = {**{k: v for k, v in env.items() if k != "PREFECT_API_URL"},
+                  "PREFECT_UI_API_URL": f"{ui_url}/api", "PREFECT_UI_URL": ui_url,
                   "PREFECT_SERVER_DATABASE_TIMEOUT": "60", "PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT": "60"}
     if database_url is not None:
         server_env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database_url
     log_path = home / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", host,
                                  "--port", str(port)], env=server_env, stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(api_url, proc, log_path)
-            yield LocalServer(api_url=api_url, home=home, env=env, database_url=database_url)
+            yield LocalServer(api_url=api_url, home=home, env=env, database_url=database_url, ui_url=ui_url,
+                              process=proc)
         finally:
             stop_process(proc)
 

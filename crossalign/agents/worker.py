@@ -14,9 +14,11 @@ the interpreter crossalign is installed in.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from crossalign.agents.probe import POOLS
@@ -71,10 +73,43 @@ def worker_argv(pool: str, name: str | None = None, limit: int | None = None) ->
     return argv
 
 
-def exec_worker(pool: str, env: dict[str, str], name: str | None = None, limit: int | None = None) -> None:
-    """Replace this process with the worker, so that signals (systemd, Ctrl-C) reach it directly."""
-    argv = worker_argv(pool, name, limit)
-    os.execve(argv[0], argv, {**os.environ, **env})
+# Prefect's worker answers SIGTERM by stopping its poll loop, then waits for its API calls and its
+# client's background threads, which after a server restart can take minutes; it gets this long.
+STOP_GRACE_S = 6.0
+
+
+def run_worker(pool: str, env: dict[str, str], name: str | None = None, limit: int | None = None) -> int:
+    """Run the worker as a child of this agent until it exits; returns its exit code.
+
+    SIGTERM or SIGINT to the agent is passed on to the worker as SIGTERM; a worker still there
+    ``STOP_GRACE_S`` later is killed, so the agent and its worker are gone within ten seconds.
+    Flow runs the worker started keep running; the server notices the ones that die (zombie
+    automation).
+    """
+    worker = subprocess.Popen(worker_argv(pool, name, limit), env={**os.environ, **env})
+    stop_requested: list[tuple[int, float]] = []
+
+    def stop(signum: int, _frame) -> None:  # only notes the request: the loop below does the waiting
+        if not stop_requested:
+            stop_requested.append((signum, time.monotonic()))
+            worker.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while True:
+        try:
+            code = worker.wait(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            if stop_requested and time.monotonic() - stop_requested[0][1] > STOP_GRACE_S:
+                worker.kill()
+    if not stop_requested:
+        return code
+    signum = stop_requested[0][0]
+    print(f"agent: worker stopped after {signal.Signals(signum).name}", flush=True)
+    # nothing of the agent's own is left to save; Prefect's exit handlers in this process (its
+    # client's background threads) could otherwise hold the exit for many seconds
+    os._exit(128 + signum)
 
 
 def deploy(prefect_file: Path) -> None:

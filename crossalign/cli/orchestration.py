@@ -17,19 +17,49 @@ EXIT_PASS, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 HEARTBEAT_S = "60"  # as in prefect.yaml; the zombie automation waits ten times as long
 
 
-def _server_url(required: bool) -> str | None:
-    """The Prefect API to use: $PREFECT_API_URL, else the site's ``prefect_api_url`` (exported for Prefect)."""
-    from crossalign.site import load_site
+API_WAIT_S = 120  # a server started a moment ago (`crossalign server start &`) needs this long on a busy machine
+
+
+def _server_url(required: bool, site_file: Path | None = None) -> str | None:
+    """The Prefect API to use: $PREFECT_API_URL, else the site's ``prefect_api_url`` (exported for Prefect).
+
+    Where it is required, waits for the server to answer, so that commands pasted right after
+    ``crossalign server start &`` find it up.
+    """
+    from crossalign.site import SiteError, load_site
 
     if not os.environ.get("PREFECT_API_URL"):
-        url = load_site().prefect_api_url
+        with user_errors(SiteError):
+            url = load_site(site_file).prefect_api_url
         if url:
             os.environ["PREFECT_API_URL"] = url
-    if required and not os.environ.get("PREFECT_API_URL"):
+    url = os.environ.get("PREFECT_API_URL")
+    if required and not url:
         err_console.print("[bold red]error:[/] no Prefect server: set PREFECT_API_URL (e.g. http://HOST:4200/api) "
                           "or prefect_api_url in the site config")
         raise typer.Exit(EXIT_INVALID)
-    return os.environ.get("PREFECT_API_URL")
+    if required and not _api_answers(url, API_WAIT_S):
+        err_console.print(f"[bold red]error:[/] the Prefect server at {url} did not answer within {API_WAIT_S} s",
+                          highlight=False)
+        raise typer.Exit(EXIT_INVALID)
+    return url
+
+
+def _api_answers(url: str, within_s: float) -> bool:
+    """Whether ``<url>/health`` answers (it needs no credentials) within ``within_s`` seconds."""
+    import urllib.request
+
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1)
 
 
 def _store_root(store: Optional[Path]) -> Path:
@@ -279,7 +309,7 @@ def register(app: typer.Typer) -> None:
         if distributed is None:
             distributed = run.info["parameters"].get("mode") == "distributed"
         console.print(f"redoing {', '.join(affected)}", highlight=False)
-        raise typer.Exit(_run_flow(config=None, run_id=run_id, root=root, overrides=[], rerun=[step],
+        raise typer.Exit(_run_flow(config=None, run_id=run_id, root=root, overrides=[], rerun=[affected[0]],
                                    distributed=distributed, retries=retries, retry_delay=retry_delay,
                                    verbose=verbose))
 
@@ -364,36 +394,119 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2)
         if probe_only:
             return
-        _server_url(required=True)
+        _server_url(required=True, site_file=site_file)
         _quiet_prefect(verbose=True)
-        from crossalign.agents.worker import ensure_pool, exec_worker, worker_environment
+        from crossalign.agents.worker import ensure_pool, run_worker, worker_environment
 
         created = ensure_pool(pool)
         env = worker_environment(site, site_file)
         console.print(f"pool {pool}: {'created' if created else 'exists'}; store {env['CROSSALIGN_STORE']}; "
                       "starting the worker", highlight=False)
-        exec_worker(pool, env, name=name, limit=limit)
+        raise typer.Exit(run_worker(pool, env, name=name, limit=limit))
 
     @app.command("deploy")
     def deploy_command(prefect_file: Path = typer.Option(Path("prefect.yaml"), "--prefect-file",
-                                                         help="the deployments file")) -> None:
+                                                         help="the deployments file"),
+                       site_file: Optional[Path] = typer.Option(None, "--site", help="the site config, for its "
+                                                                "prefect_api_url (default: $CROSSALIGN_SITE or "
+                                                                "./crossalign.site.yaml)")) -> None:
         """Create the orchestrator/npu/cpu/gpu pools if missing and deploy every flow of prefect.yaml."""
         import subprocess
 
         from crossalign.agents.worker import deploy
 
-        _server_url(required=True)
+        _server_url(required=True, site_file=site_file or site_path())
         _quiet_prefect(verbose=True)
         with user_errors(FileNotFoundError, subprocess.CalledProcessError):
             deploy(prefect_file)
 
     automations_app = typer.Typer(name="automations", help="Server-side automations (zombie runs, nightly alerts).",
+        from crossalign.site import site_path
                                   no_args_is_help=True)
     app.add_typer(automations_app, name="automations")
 
     @automations_app.command("install")
     def automations_install(
         webhook: Optional[str] = typer.Option(None, "--webhook", help="URL to call when a nightly run fails"),
+    server_app = typer.Typer(name="server", help="The Prefect server the agents and the UI talk to.",
+                             no_args_is_help=True)
+    app.add_typer(server_app, name="server")
+
+    @server_app.command("start")
+    def server_start(
+        host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0: every interface)"),
+        port: int = typer.Option(4200, "--port", help="port of the UI and the API"),
+        url: Optional[str] = typer.Option(None, "--url", help="the address browsers and agents use "
+                                          "(default: http://<this host's name>:PORT when listening beyond loopback)"),
+        data: Optional[Path] = typer.Option(None, "--data", help="server home and its PostgreSQL cluster, kept "
+                                            "between starts (default: ~/.crossalign/server, as root "
+                                            "/var/lib/crossalign/server)"),
+        insecure: bool = typer.Option(False, "--insecure", help="listen beyond loopback without basic auth"),
+    ) -> None:
+        """Run the Prefect server on PostgreSQL until stopped (Ctrl-C, SIGTERM).
+
+        The database is $PREFECT_SERVER_DATABASE_CONNECTION_URL if set, else a PostgreSQL cluster of
+        its own in --data. Beyond loopback anyone who reaches the port could start runs on the GPU
+        and NPU machines, so it needs $PREFECT_SERVER_API_AUTH_STRING (user:password) unless --insecure.
+        """
+        import signal
+        import socket
+        import sys
+
+        from crossalign.agents.server import AUTH_ENV, CLIENT_AUTH_ENV, LOOPBACK, ServerStartError, local_server
+
+        beyond_loopback = host not in LOOPBACK
+        if beyond_loopback and not os.environ.get(AUTH_ENV) and not insecure:
+            err_console.print(f"[bold red]error:[/] --host {host} lets other machines start runs: set {AUTH_ENV}="
+                              "user:password (agents and the CLI then need the same value in "
+                              f"{CLIENT_AUTH_ENV}), or pass --insecure", highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_INVALID)
+        if url is None and beyond_loopback:
+            url = f"http://{socket.getfqdn()}:{port}"
+        if data is None:
+            data = Path("/var/lib/crossalign/server") if os.geteuid() == 0 else Path("~/.crossalign/server")
+        data = data.expanduser().absolute()
+        # Ctrl-C and SIGTERM leave the block below, which stops the server and then PostgreSQL
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+        try:
+            with local_server(data / "prefect", scheduler=True, database="postgres", host=host, port=port,
+                              ui_url=url, database_url=os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL"),
+                              postgres_dir=data / "postgres") as server:
+                console.print(f"Prefect server up: UI {server.ui_url}  (log {server.home / 'server.log'})",
+                              highlight=False)
+                console.print("on every machine that runs crossalign:", highlight=False)
+                console.print(f"  export PREFECT_API_URL={server.ui_url}/api", highlight=False)
+                if os.environ.get(AUTH_ENV):
+                    console.print(f"  export {CLIENT_AUTH_ENV}=...   (the user:password of {AUTH_ENV})",
+                                  highlight=False)
+                code = server.process.wait()
+                err_console.print(f"[bold red]error:[/] the Prefect server exited ({code}); see "
+                                  f"{server.home / 'server.log'}", highlight=False)
+                raise typer.Exit(1)
+        except ServerStartError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            pass
+
+    @app.command("serve")
+    def serve_command(
+        store: Optional[Path] = typer.Option(None, "--store", help="the run store (default: the site's store)"),
+        host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0: every interface)"),
+        port: int = typer.Option(8080, "--port", help="port to listen on"),
+    ) -> None:
+        """Serve the run store read-only over HTTP: the reports and plots the Prefect UI links to."""
+        from crossalign.report.serve import serve, store_app
+        from crossalign.site import SiteError
+
+        with user_errors(SiteError, FileNotFoundError):
+            root = _store_root(store).expanduser().absolute()
+            served = store_app(root)
+        shown = host if host in ("127.0.0.1", "localhost") else "<this host>"
+        console.print(f"serving {root} read-only on {host}:{port}; the site config's report_url: "
+                      f"http://{shown}:{port}/", highlight=False)
+        serve(served, host, port)
+
         zombie_after: int = typer.Option(600, "--zombie-after", help="seconds without heartbeat before a flow "
                                          "run counts as crashed; keep it well above the heartbeat interval of "
                                          "every flow on the server (crossalign's 60 s, Prefect's default 180 s)"),

@@ -6,7 +6,11 @@
 The flow itself decides nothing about the work: it prepares the run, checks the configs, then
 submits each step once its inputs are done, skipping steps whose manifests are already valid.
 A retried flow run (UI Retry) or a new run with the same run id therefore resumes where it
-stopped. Infrastructure failures are retried with backoff, deterministic ones are not.
+stopped; on a retry or a rerun the outputs of a step it would skip are first checked against
+the sha256 in its manifest, so a damaged output is redone rather than consumed. Infrastructure
+failures are retried with backoff, deterministic ones are not.
+
+The ``rerun`` flow is the UI's form for ``crossalign rerun``: one run id, one step.
 """
 
 from __future__ import annotations
@@ -18,24 +22,38 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.runtime import flow_run as current_flow_run
+from prefect.states import Completed, State
 
 from crossalign.backends.base import DatasetFiles
 from crossalign.backends.preflight import preflight_config
-from crossalign.config import ConfigError
+from crossalign.config import CONFIG_DIR, ConfigError
 from crossalign.data.order import side_settings
 from crossalign.data.preflight import compare_sample_order
 from crossalign.flows.events import StepEvent, emit
 from crossalign.flows.launch import execute_deployment, execute_subprocess
 from crossalign.flows.reporting import StepReporter
 from crossalign.flows.retry import backoff_delays, retry_on_infrastructure
-from crossalign.flows.summary import publish_compare, steps_table
+from crossalign.flows.summary import publish_compare, run_url, steps_table
 from crossalign.site import load_site
-from crossalign.store import STEPS, RunStore, step_spec
+from crossalign.store import STEP_NAMES, STEPS, RunStore, step_spec
 from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed, VerdictFailed
 from crossalign.tasks.prepare import prepare_run, resolve_config
 
 Mode = Literal["distributed", "embedded"]
+# the choices of the run forms in the UI (a config may also be a path)
+ShippedConfig = Literal[tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))]  # type: ignore[valid-type]
+StepName = Literal[STEP_NAMES]  # type: ignore[valid-type]
 PREFLIGHT_BATCHES = 3  # global batches whose token digests must agree between the two sides
+
+
+def name_flow_run(name: str) -> None:
+    """Name the current flow run after the store's run id, which is what users look for in the UI."""
+    from prefect.client.orchestration import get_client
+
+    flow_run_id = current_flow_run.get_id()
+    if flow_run_id and current_flow_run.get_name() != name:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run_id, name=name)
 
 
 @task(name="prepare-run", task_run_name="prepare-run", cache_policy=NO_CACHE)
@@ -83,15 +101,24 @@ def preflight(store: str, run_id: str) -> None:
 
 @task(name="step", cache_policy=NO_CACHE, retry_condition_fn=retry_on_infrastructure)
 def step_task(store: str, run_id: str, step: str, mode: Mode, poll_interval_s: float,
-              timeout_s: float | None) -> dict[str, Any]:
-    """One step: skipped if its manifest is valid, else carried out where ``mode`` says."""
+              timeout_s: float | None, checksums: bool) -> dict[str, Any]:
+    """One step: skipped if its manifest is valid, else carried out where ``mode`` says.
+
+    ``checksums`` (a retry or a rerun) also compares a finished step's outputs with their sha256;
+    a damaged step is removed with everything downstream, so that its own flow run redoes it.
+    """
     logger = get_run_logger()
     run = RunStore(store).run(run_id)
-    if run.is_done(step):
+    if run.is_done(step, checksums=checksums):
         manifest = run.manifest(step)
         logger.info(f"{step}: already done on {manifest['host']} ({manifest['seconds']:.1f} s); skipped")
         emit(StepEvent(step, "skipped", host=manifest["host"], seconds=manifest["seconds"]))
         return _brief(manifest)
+    damaged = run.damaged_outputs(step, checksums=checksums)
+    if damaged:
+        removed = run.invalidate(step)
+        logger.warning(f"{step}: outputs changed since the step was committed ({'; '.join(damaged)}); "
+                       f"redoing {', '.join(removed)}")
     emit(StepEvent(step, "started"))
     reporter = StepReporter(step, run_id, logger)
     try:
@@ -111,39 +138,93 @@ def _brief(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 @flow(name="alignment")
-def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = None, overrides: list[str] | None = None,
-              store: str | None = None, rerun: list[str] | None = None, mode: Mode = "distributed",
-              dataset_prefix: str | None = None, tokenizer: str | None = None, retries: int = 2,
-              retry_delay_s: float = 10.0, step_timeout_s: float | None = None,
-              poll_interval_s: float = 0.5) -> dict[str, Any]:
-    """Run the six-step alignment of ``config`` and return its summary; fails unless the verdict is "pass".
+def alignment(config: ShippedConfig | str | None = "qwen35_dense_tiny", run_id: str | None = None,
+              overrides: list[str] | None = None, store: str | None = None, rerun: list[StepName] | None = None,
+              mode: Mode = "distributed", dataset_prefix: str | None = None, tokenizer: str | None = None,
+              retries: int = 2, retry_delay_s: float = 10.0, step_timeout_s: float | None = None,
+              poll_interval_s: float = 0.5) -> State:
+    """Run the six-step alignment of a model config; fails unless the verdict is "pass".
 
-    ``config`` is a shipped config name or a YAML path (None: reopen the existing ``run_id``);
-    ``rerun`` names steps to redo with everything downstream; ``overrides`` are ``KEY=VALUE``
-    config changes (``training.train_iters=10``); ``mode`` "embedded" runs every step as a local
-    process with the CPU backends, "distributed" as flow runs of the step deployments.
+    The flow run is named after the run id; its final state message carries the verdict.
+
+    Args:
+        config: A shipped config, or the path of a config YAML on the orchestrator's machine.
+            Empty: reopen the existing run_id as it was.
+        run_id: The run in the store: resume it (finished steps are skipped). Empty: a new run
+            named <model>-<flow run id>.
+        overrides: Config changes, one KEY=VALUE each, validated like the config file
+            (training.train_iters=10).
+        store: The run store every agent mounts. Empty: the site config's store.
+        rerun: Steps to redo, with everything downstream of them.
+        mode: distributed: each step a flow run on its pool's workers; embedded: every step a
+            local process with the CPU backends.
+        dataset_prefix: A prepared Megatron dataset (prefix of .bin/.idx) instead of the shipped
+            corpus; give the tokenizer with it.
+        tokenizer: The tokenizer.json of dataset_prefix.
+        retries: Attempts per step after an infrastructure failure (never after a bad input).
+        retry_delay_s: Seconds before the first retry of a step, tripled for each further one.
+        step_timeout_s: Give up on a step's flow run after this many seconds. Empty: no limit.
+        poll_interval_s: Seconds between looks at a step's flow run.
     """
+    if config is not None:  # a bad config or override fails here, named
+        model = resolve_config(config, overrides or [])[0].model.name
+    if run_id is None:
+        if config is None:
+            raise ConfigError("give a config, or the run_id of an existing run to reopen")
+        run_id = f"{model}-{str(current_flow_run.get_id())[:8]}"
+    name_flow_run(run_id)
+    return _align(config=config, run_id=run_id, overrides=list(overrides or []), store=store,
+                  rerun=list(rerun or []), mode=mode, dataset_prefix=dataset_prefix, tokenizer=tokenizer,
+                  retries=retries, retry_delay_s=retry_delay_s, step_timeout_s=step_timeout_s,
+                  poll_interval_s=poll_interval_s)
+
+
+@flow(name="rerun", flow_run_name="{run_id}-rerun-{step}")
+def rerun(run_id: str, step: StepName, store: str | None = None, retries: int = 2, retry_delay_s: float = 10.0,
+          step_timeout_s: float | None = None, poll_interval_s: float = 0.5) -> State:
+    """Redo one step of a run and everything downstream of it; finished upstream steps are skipped.
+
+    The steps run the way the run was started (distributed or embedded), with its config.
+
+    Args:
+        run_id: The run in the store to redo part of.
+        step: The step to redo; every step that reads from it is redone too.
+        store: The run store every agent mounts. Empty: the site config's store.
+        retries: Attempts per step after an infrastructure failure (never after a bad input).
+        retry_delay_s: Seconds before the first retry of a step, tripled for each further one.
+        step_timeout_s: Give up on a step's flow run after this many seconds. Empty: no limit.
+        poll_interval_s: Seconds between looks at a step's flow run.
+    """
+    root = RunStore(store or load_site().store)
+    mode = root.run(run_id).info["parameters"].get("mode", "distributed")
+    return _align(config=None, run_id=run_id, overrides=[], store=str(root.root), rerun=[step_spec(step).name],
+                  mode=mode, dataset_prefix=None, tokenizer=None, retries=retries, retry_delay_s=retry_delay_s,
+                  step_timeout_s=step_timeout_s, poll_interval_s=poll_interval_s)
+
+
+def _align(*, config: str | None, run_id: str, overrides: list[str], store: str | None, rerun: list[str],
+           mode: Mode, dataset_prefix: str | None, tokenizer: str | None, retries: int, retry_delay_s: float,
+           step_timeout_s: float | None, poll_interval_s: float) -> State:
+    """The DAG in the current flow run (alignment or rerun); Completed with the verdict, else raises."""
     from prefect.artifacts import create_table_artifact
 
     logger = get_run_logger()
-    for name in rerun or []:
+    for name in rerun:
         step_spec(name)
     if (dataset_prefix is None) != (tokenizer is None):
         raise ConfigError("dataset_prefix and tokenizer go together: give both or neither")
     dataset = None if dataset_prefix is None else DatasetFiles(Path(dataset_prefix), Path(tokenizer))
     root = str(RunStore(store or load_site().store).root)
-    if run_id is None:
-        if config is None:
-            raise ConfigError("give a config, or the run_id of an existing run to reopen")
-        run_id = f"{resolve_config(config, overrides or [])[0].model.name}-{str(current_flow_run.get_id())[:8]}"
-    run_id = prepare(root, config, run_id, list(overrides or []), dataset, list(rerun or []), mode)
+    run_id = prepare(root, config, run_id, overrides, dataset, rerun, mode)
     preflight(root, run_id)
 
+    # on a retry or a rerun, outputs may have been damaged since they were committed
+    checksums = bool(rerun) or (current_flow_run.run_count or 1) > 1
     launcher = step_task.with_options(retries=retries, retry_delay_seconds=backoff_delays(retry_delay_s, retries))
     futures: dict[str, Any] = {}
     for spec in STEPS:
         futures[spec.name] = launcher.with_options(task_run_name=spec.name).submit(
-            root, run_id, spec.name, mode, poll_interval_s, step_timeout_s,
+            root, run_id, spec.name, mode, poll_interval_s, step_timeout_s, checksums,
             wait_for=[futures[name] for name in spec.inputs])
     wait(list(futures.values()))
 
@@ -159,7 +240,11 @@ def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = Non
 
     summary = publish_compare(run, logger)
     verdict = summary.get("verdict")
-    logger.info(f"run {run_id}: verdict {verdict}; report in {run.step_dir('compare')}")
+    report = run.step_dir("compare") / "report.html"
+    where = run_url(run, report) or str(report)
+    logger.info(f"run {run_id}: verdict {verdict}; report {where}")
     if verdict != "pass":
-        raise VerdictFailed(str(verdict), f"run {run_id}: verdict {verdict} (see {run.step_dir('compare')})")
-    return {"run_id": run_id, "verdict": verdict, "report_dir": str(run.step_dir("compare")), "summary": summary}
+        raise VerdictFailed(str(verdict), f"run {run_id}: verdict {verdict}; report {where}")
+    return Completed(message=f"run {run_id}: verdict {verdict}; report {where}",
+                     data={"run_id": run_id, "verdict": verdict, "report_dir": str(run.step_dir("compare")),
+                           "report": where, "summary": summary})

@@ -2,8 +2,10 @@
 
 Each model runs as an alignment subflow with the run id ``nightly-<date>-<model>`` (so a
 re-triggered night resumes instead of starting over). The history lives in
-``<store>/nightly/history.json`` with a trend plot ``trend.png`` beside it; the flow fails when
-any model fails or regresses, which is what the nightly failure automation alerts on.
+``<store>/nightly/history.json`` with a trend plot ``trend.png`` beside it, shown in the UI as an
+image where the site names a report server. The flow run is named ``nightly-<date>``; it fails
+when any model fails or regresses, which is what the nightly failure automation alerts on (its
+message, which the alert carries, links the trend plot).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from crossalign.flows.alignment import Mode, alignment
+from crossalign.flows.alignment import Mode, ShippedConfig, alignment, name_flow_run
+from crossalign.report.serve import store_url
 from crossalign.site import load_site
 from crossalign.store import RunStore, read_json
 from crossalign.tasks.compare import SUMMARY
@@ -35,24 +38,37 @@ from crossalign.tasks.regression import (
 class NightlyRegression(StepFailed):
     """A night whose alignment failed or got worse than the night before."""
 
-    def __init__(self, problems: list[str]):
-        super().__init__("nightly", "; ".join(problems))
+    def __init__(self, problems: list[str], trend: str):
+        super().__init__("nightly", "; ".join(problems) + f" (trend: {trend})")
         self.problems = problems
 
 
 @flow(name="nightly")
-def nightly(configs: list[str] | None = None, overrides: list[str] | None = None, store: str | None = None,
-            mode: Mode = "distributed", night: str | None = None, tolerance: float = DEFAULT_TOLERANCE,
-            floor: float = DEFAULT_FLOOR, retries: int = 2, retry_delay_s: float = 30.0) -> dict[str, Any]:
-    """Align each of ``configs`` (default: qwen35_dense and qwen35_moe) and fail on a regression.
+def nightly(configs: list[ShippedConfig | str] | None = None, overrides: list[str] | None = None,
+            store: str | None = None, mode: Mode = "distributed", night: str | None = None,
+            tolerance: float = DEFAULT_TOLERANCE, floor: float = DEFAULT_FLOOR, retries: int = 2,
+            retry_delay_s: float = 30.0) -> dict[str, Any]:
+    """Align each config and fail on a regression against the previous night.
 
-    ``night`` (YYYY-MM-DD, default today in UTC) names the runs and the history entries.
+    Args:
+        configs: Shipped configs or config YAML paths to align. Empty: qwen35_dense and qwen35_moe.
+        overrides: Config changes for every config, one KEY=VALUE each (training.train_iters=10).
+        store: The run store every agent mounts. Empty: the site config's store.
+        mode: distributed: each step a flow run on its pool's workers; embedded: local processes.
+        night: The night (YYYY-MM-DD) that names the runs and the history entries. Empty: today in UTC.
+        tolerance: A relative error more than this many times the night before's is a regression.
+        floor: Relative errors at or below this (a fraction, 1e-4 = 0.01%) never count as a regression.
+        retries: Attempts per step after an infrastructure failure.
+        retry_delay_s: Seconds before the first retry of a step, tripled for each further one.
     """
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
     logger = get_run_logger()
     configs = configs or ["qwen35_dense", "qwen35_moe"]
     today = date.fromisoformat(night) if night else datetime.now(timezone.utc).date()
+    name_flow_run(f"nightly-{today:%Y%m%d}")
+    for config in configs:  # a bad config or override fails the night before any run starts
+        resolve_config(config, overrides or [])
     root = RunStore(store or load_site().store)
     history_path = root.root / "nightly" / "history.json"
     history = load_history(history_path)
@@ -79,12 +95,16 @@ def nightly(configs: list[str] | None = None, overrides: list[str] | None = None
 
     history = record(history_path, entries)
     trend = plot_trend(history, history_path.with_name("trend.png"))
+    trend_url = store_url(load_site().report_url, root.root, trend)
     create_table_artifact(history_rows(history), key="nightly-history",
                           description=f"nightly alignment history ({history_path})")
     create_markdown_artifact(
         "# nightly " + today.isoformat() + "\n\n"
-        + ("\n".join(f"- {p}" for p in problems) if problems else "no regression") + f"\n\ntrend plot: `{trend}`\n",
+        + ("\n".join(f"- {p}" for p in problems) if problems else "no regression") + "\n\n"
+        + (f"![trend]({trend_url})\n" if trend_url else f"trend plot: `{trend}`\n"),
         key="nightly-report", description="regressions against the previous night")
+    if trend_url:
+        create_image_artifact(image_url=trend_url, key="nightly-trend", description="relative errors, night by night")
     if problems:
-        raise NightlyRegression(problems)
+        raise NightlyRegression(problems, trend_url or str(trend))
     return {"night": today.isoformat(), "entries": entries, "history": str(history_path), "trend": str(trend)}
