@@ -270,7 +270,7 @@ def expected_transformer_config(config: AlignmentConfig) -> dict[str, object]:
             "moe_router_topk": m.moe_router_topk, "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
             "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
             "use_shared_expert_gating": m.moe_shared_expert_gate, "norm_topk_prob": m.norm_topk_prob,
-            "moe_router_pre_softmax": False, "moe_router_score_function": m.moe_router_score_function,
+            "moe_router_score_function": m.moe_router_score_function,
             "moe_router_topk_scaling_factor": m.moe_router_topk_scaling_factor,
             "moe_router_dtype": ROUTER_DTYPE_NAMES[m.moe_router_dtype],
             "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
