@@ -36,7 +36,7 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 
@@ -54,6 +54,9 @@ from crossalign.backends.launch import (
 from crossalign.config import AlignmentConfig
 from crossalign.logs.common import LogFormatError, read_log_text
 from crossalign.logs.mindformers import parse_mindformers_text
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 RUN_SCRIPT = "run_mindformers.sh"
 CHECKPOINT_PREFIX = "qwen35"
@@ -365,7 +368,7 @@ def parse_step_line(line: str) -> tuple[int, int, dict[str, float]] | None:
     return int(row["step"]), int(match.group(2)), metrics
 
 
-def _step_frame(log_path: Path):
+def _step_frame(log_path: Path) -> pd.DataFrame | None:
     """The log's pynative steps as the log parser reads them; None when it holds no step line."""
     text, truncated = read_log_text(log_path)
     try:
@@ -374,7 +377,7 @@ def _step_frame(log_path: Path):
         return None
 
 
-def _first_step_without(frame, column: str) -> int | None:
+def _first_step_without(frame: pd.DataFrame | None, column: str) -> int | None:
     """The first logged step whose line lacks ``column`` (None when every line has it)."""
     if frame is None or not len(frame):
         return None
@@ -416,10 +419,10 @@ def verify_mindformers_log(log_path: Path, *, steps: int, loaded: bool, exit_sta
                               f"(last logged: {max(seen) if seen else 0}); end of the log:\n{failure_summary(log_path)}")
     patch = ("apply the mindformers-qwen35-loss-logging patch to the fork's Qwen3.5 classes; MindFormers "
              "r1.9.0's LossCallback logs neither loss whatever the model has")
-    for wanted, column, name in ((mtp, "mtp_1_loss", "mtp_1_loss"), (moe, "aux_loss", "load_balancing_loss")):
+    for wanted, kind, column, name in ((mtp, "MTP", "mtp_1_loss", "mtp_1_loss"),
+                                       (moe, "MoE", "aux_loss", "load_balancing_loss")):
         step = _first_step_without(frame, column) if wanted else None
         if step is not None:
-            kind = "MTP" if column == "mtp_1_loss" else "MoE"
             raise BackendRunError(f"{log_path}: the model has {kind} but the line of step {step} has no {name} "
                                   f"(LossCallback asks the top model for it: {patch})")
 
