@@ -134,3 +134,15 @@ def test_lines_laid_out_differently_still_parse(tmp_path):
     df = parse_log(write_log(tmp_path / "mixed.log", [plain, with_aux]))
     assert df["lm_loss"].tolist() == [11.0, 10.5]
     assert math.isnan(df["aux_loss"].iloc[0]) and df["aux_loss"].iloc[1] == 1.25
+
+
+def test_release_branch_lines_without_consumed_samples(tmp_path):
+    """r1.9.0/r2.0.0 print no consumed_samples/global_batch_size (master added them in July 2026)."""
+    lines = [mindformers_prefix(MINDFORMERS_PYNATIVE_SOURCE) + pynative_line(
+        k, 3, consumed_samples=None, global_batch_size=None, loss=LM[k - 1], per_step_time_ms=10, lr=1e-5,
+        grad_norm=2.0, load_balancing_loss=AUX[k - 1], mtp_losses=(MTP[k - 1],)) for k in (1, 2, 3)]
+    assert "consumed_samples" not in lines[0]
+    df = parse_log(write_log(tmp_path / "r200.log", lines))
+    assert df.attrs["format"] == "mindformers-pynative" and df["step"].tolist() == [1, 2, 3]
+    np.testing.assert_allclose(df[["lm_loss", "aux_loss", "mtp_1_loss"]].to_numpy(),
+                               np.array([LM[:3], AUX[:3], MTP[:3]]).T, atol=1e-6)

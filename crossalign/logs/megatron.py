@@ -29,7 +29,6 @@ the checkpoint", a start from random weights) makes the run invalid: ``attrs["in
 from __future__ import annotations
 
 import re
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -194,9 +193,11 @@ def _unreadable(unreadable: list[dict], text: str, at: int, why: str) -> None:
 def infer_log_interval(processes: list[np.ndarray]) -> int:
     """The log interval: the most common step difference from each process's second line on (the
     first line of a process may be off the interval), else the first difference, else 1."""
-    later = Counter(int(d) for steps in processes for d in np.diff(steps[1:]) if d > 0)
-    if later:
-        return later.most_common(1)[0][0]
+    later = np.concatenate([np.diff(steps[1:]) for steps in processes] or [np.empty(0, dtype=np.int64)])
+    later = later[later > 0]
+    if len(later):
+        values, counts = np.unique(later, return_counts=True)
+        return int(values[np.argmax(counts)])
     first = [int(steps[1] - steps[0]) for steps in processes if len(steps) > 1 and steps[1] > steps[0]]
     return min(first) if first else 1
 
@@ -282,14 +283,16 @@ def parse_megatron_text(path: Path, text: str, core_version: str | None = "0.16.
     unreadable: list[dict] = []
     steps_parts, col_parts, mtp_count, extras = [], [], 0, {}
     for offset, segment in _segments(text):
-        count = len(ITERATION_RE.findall(segment))
-        if len(_MARK_RE.findall(segment)) != count:
+        marks = len(_MARK_RE.findall(segment))
+        if not marks:
+            continue
+        found = _fast(segment, marks)  # every line that looks like a record is one, laid out alike
+        if found is None:
             for mark in _MARK_RE.finditer(segment):
                 if not ITERATION_RE.match(segment, mark.start()):
                     _unreadable(unreadable, text, offset + mark.start(), "no 'M |' after 'iteration N/'")
-        if not count:
-            continue
-        steps, cols, columns = _fast(segment, count) or _slow(segment, offset, text, notes, unreadable)
+            found = _slow(segment, offset, text, notes, unreadable)
+        steps, cols, columns = found
         mtp_count = max(mtp_count, columns.mtp_count)
         extras.update(dict.fromkeys(columns.extras))
         if len(steps):
