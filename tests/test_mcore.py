@@ -20,6 +20,7 @@ from crossalign.checkpoint.convert import mindformers_to_megatron
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS, inject_fault
 from crossalign.checkpoint.layout import random_mindformers_state
+from crossalign.checkpoint.megatron import read_megatron_checkpoint
 from crossalign.checkpoint.rules import conversion_plan
 from crossalign.checkpoint.te_local import local_to_te, te_to_local, te_to_local_names
 from crossalign.config import load_config
@@ -203,8 +204,9 @@ def test_megatron_core_trains_as_the_reference_trainer(tmp_path):
     for label, module in (("reference", torch_trainer), ("megatron-core", mcore_trainer)):
         request = TrainRequest(config=config, side="megatron", mode="align",
                                data=DatasetFiles(tmp_path / "data", tmp_path / "tokenizer.json"),
-                               output_dir=tmp_path / label, init_checkpoint=tmp_path / "checkpoint")
-        module.run_training(request, mg, 1, tokens)
+                               output_dir=tmp_path / label, init_checkpoint=tmp_path / "checkpoint",
+                               save=module is mcore_trainer)
+        result = module.run_training(request, mg, 1, tokens)
         logs[label] = [line.split("| learning rate:")[1].split("| number of skipped")[0]
                        for line in request.log_path.read_text().splitlines() if "| learning rate:" in line]
     assert len(logs["megatron-core"]) == 4
@@ -214,6 +216,11 @@ def test_megatron_core_trains_as_the_reference_trainer(tmp_path):
         assert a.keys() == b.keys() and {"lm loss", "load_balancing_loss", "mtp_1 loss", "grad norm"} <= a.keys()
         for key in a:
             assert float(a[key]) == pytest.approx(float(b[key]), rel=2e-6, abs=1e-3 if key == "grad norm" else 0)
+    # the trained weights, saved in Megatron's format under the TE names, load strictly into the PyTorch reference
+    saved = read_megatron_checkpoint(result.checkpoint_dir, config.model)
+    assert saved.iteration == 4 and saved.state.keys() == mg.keys()
+    build_megatron(config.model, saved.state, config.training.megatron_core_version, strict=True)
+    assert not torch.equal(saved.state["output_layer.weight"], mg["output_layer.weight"])
 
 
 def test_megatron_core_refuses_a_warmup_that_megatron_asserts_on(tmp_path):

@@ -178,10 +178,27 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
                 if request.on_step is not None:
                     request.on_step(iteration, total, _step_metrics(stats, megatron_lr(training, iteration)))
             emit(_datetime_line("after training is done"))
+            if request.save:
+                save_checkpoint(ddp.module, request, total)
+                emit(f"  successfully saved checkpoint from iteration {total:7d} to {request.checkpoint_dir} "
+                     "[ t 1/1, p 1/1 ]")
     finally:
         torch.set_num_threads(threads)
-    return TrainResult(log_path=request.log_path, checkpoint_dir=None, iterations=total,
-                       seconds=time.perf_counter() - started)
+    return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
+                       iterations=total, seconds=time.perf_counter() - started)
+
+
+def save_checkpoint(net, request: TrainRequest, iteration: int) -> Path:
+    """The trained weights in Megatron's legacy torch format under the TE names (what a GPU run would write and
+    load: ``iter_{N:07d}/mp_rank_00/model_optim_rng.pt`` and the tracker), without optimizer or RNG state."""
+    from crossalign.checkpoint.megatron import write_megatron_checkpoint
+    from crossalign.checkpoint.te_local import local_to_te
+
+    config = request.config
+    local = {key: value.detach().clone() for key, value in net.state_dict().items()
+             if not key.endswith("._extra_state")}
+    return write_megatron_checkpoint(request.checkpoint_dir, iteration,
+                                     local_to_te(local, config.model, config.training.megatron_core_version))
 
 
 class LocalMegatronBackend:
@@ -202,8 +219,6 @@ class LocalMegatronBackend:
                              "alignment step (mode 'align')")
         if request.init_checkpoint is None:
             raise ValueError(f"{self.name}: align mode needs init_checkpoint (a Megatron checkpoint directory)")
-        if request.save:
-            raise ValueError(f"{self.name}: saving checkpoints is not supported (the alignment run only logs)")
         from crossalign.checkpoint.megatron import read_megatron_checkpoint
         from crossalign.data.order import batches_for
 
