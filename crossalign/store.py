@@ -242,6 +242,19 @@ class Run:
             raise StoreError(f"run {self.run_id!r}: run.json records no dataset")
         return DatasetFiles(prefix=Path(data["prefix"]), tokenizer=Path(data["tokenizer"]))
 
+    @property
+    def start(self) -> dict[str, Any]:
+        """Where step 1's weights come from, as recorded at creation: base training from a random init
+        (``{"from": "base-train"}``) or an import of Hugging Face weights (``{"from": "huggingface",
+        "path": ..., "config_sha256": ...}``)."""
+        return self.info.get("start") or {"from": "base-train"}
+
+    def pool(self, step: str) -> str:
+        """The pool that carries out ``step`` here: step 1 of a run started from Hugging Face weights is an
+        import, on the cpu pool; every other step runs on the pool of its spec."""
+        spec = step_spec(step)
+        return "cpu" if spec.index == 1 and self.start["from"] == "huggingface" else spec.pool
+
     def check_config(self, config: AlignmentConfig) -> None:
         """Refuse to reuse this run for another config: its finished steps describe another experiment."""
         if sha256_json(self.info["config"]) != sha256_json(config.model_dump(mode="json")):
@@ -267,6 +280,8 @@ class Run:
         spec = step_spec(step)
         info = self.info
         digests = {"config": sha256_json(info["config"])}
+        if spec.index == 1 and (info.get("start") or {}).get("from", "base-train") != "base-train":
+            digests["start"] = sha256_json(info["start"])  # another source of step 1's weights redoes the run
         if spec.uses_dataset:
             if not info.get("dataset"):
                 raise StepNotReady(f"run {self.run_id!r}: step {spec.name} needs a dataset and run.json records none")
@@ -456,21 +471,24 @@ class RunStore:
         return (self.root / check_run_id(run_id) / RUN_INFO).exists()
 
     def create_run(self, run_id: str, config: AlignmentConfig, *, config_source: str,
-                   parameters: dict[str, Any], code_version: dict[str, Any]) -> Run:
+                   parameters: dict[str, Any], code_version: dict[str, Any],
+                   start: dict[str, Any] | None = None) -> Run:
         """Create a run, or open it again if it exists with the same config (a resume).
 
-        A run id that exists with a different config is refused: its finished steps describe
-        another experiment.
+        A run id that exists with a different config, or with another ``start`` when one is
+        given (see :attr:`Run.start`), is refused: its finished steps describe another experiment.
         """
         run = Run(self, check_run_id(run_id))
         if (run.path / RUN_INFO).exists():
             run.check_config(config)
+            if start is not None and run.start != start:
+                raise StoreError(f"run {run_id!r} in {self.root} was started from {run.start}, not {start}")
             return run
         run.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run.path / RUN_INFO, {
             "format": FORMAT_VERSION, "run_id": run_id, "created": now_iso(), "host": socket.gethostname(),
             "config_source": config_source, "parameters": parameters, "code_version": code_version,
-            "config": config.model_dump(mode="json"), "dataset": None,
+            "config": config.model_dump(mode="json"), "dataset": None, "start": start or {"from": "base-train"},
         })
         return run
 

@@ -70,10 +70,11 @@ def execute_subprocess(run: Run, step: str, reporter: StepReporter) -> dict[str,
     return manifest
 
 
-def deployment_name(step: str) -> str:
-    """``<flow>/<deployment>`` of a step's deployment in prefect.yaml: the deployment is named after its pool."""
+def deployment_name(step: str, run: Run | None = None) -> str:
+    """``<flow>/<deployment>`` of a step's deployment in prefect.yaml: the deployment is named after its pool
+    (the run's, when given: step 1 of a run started from Hugging Face weights runs on cpu)."""
     spec = step_spec(step)
-    return f"{spec.name}/{spec.pool}"
+    return f"{spec.name}/{spec.pool if run is None else run.pool(step)}"
 
 
 def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_interval: float = 0.5,
@@ -88,7 +89,7 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    name = deployment_name(step)
+    name = deployment_name(step, run)
     parameters = {"run_id": run.run_id, "store": str(run.store.root)}
     attempt = 1
     with _api_trouble_is_infrastructure(step), get_client(sync_client=True) as client:

@@ -16,6 +16,7 @@ from crossalign.tasks.base_train import base_train
 from crossalign.tasks.cast_bf16 import cast_bf16
 from crossalign.tasks.compare import compare
 from crossalign.tasks.convert import convert
+from crossalign.tasks.import_hf import import_hf
 from crossalign.tasks.megatron_train import megatron_train
 from crossalign.tasks.pynative_train import pynative_train
 
@@ -34,6 +35,8 @@ STEP_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
 def run_step(run: Run, step: str, site: SiteConfig, on_step: StepCallback | None = None) -> dict[str, Any]:
     """Carry out ``step`` of ``run`` here and return its manifest."""
     name = step_spec(step).name
+    if name == "base-train" and run.start["from"] == "huggingface":
+        return import_hf(run, site)  # step 1 of a run started from Hugging Face weights
     function = STEP_FUNCTIONS[name]
     if name in TRAINING_STEPS:
         return function(run, site, on_step=on_step)

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import crossalign
 from crossalign.backends.base import DatasetFiles
 from crossalign.config import AlignmentConfig, load_config, resolve_config_path
-from crossalign.store import Run, RunStore, StoreError, dataset_fingerprint
+from crossalign.store import Run, RunStore, StoreError, dataset_fingerprint, sha256_file
 
 
 def resolve_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> tuple[AlignmentConfig, Path]:
@@ -40,6 +40,14 @@ def code_version() -> dict[str, Any]:
     except (OSError, subprocess.TimeoutExpired):
         pass
     return version
+
+
+def hf_start(directory: Path) -> dict[str, Any]:
+    """The start record of a run whose step 1 imports a Hugging Face checkpoint (its folder and config.json digest)."""
+    config_json = Path(directory).absolute() / "config.json"
+    if not config_json.is_file():
+        raise StoreError(f"--from-hf {directory}: no config.json there; not a Hugging Face checkpoint folder")
+    return {"from": "huggingface", "path": str(config_json.parent), "config_sha256": sha256_file(config_json)}
 
 
 def default_run_id(config: AlignmentConfig) -> str:
@@ -69,11 +77,12 @@ def shared_dataset(store: RunStore, vocab_size: int) -> DatasetFiles:
 
 def prepare_run(store: RunStore, config_name: str | Path, *, run_id: str | None = None,
                 overrides: list[str] | tuple[str, ...] = (), dataset: DatasetFiles | None = None,
-                mode: str = "embedded") -> Run:
+                mode: str = "embedded", from_hf: Path | None = None) -> Run:
     """Create the run (or reopen it with the same config), with its dataset recorded in run.json.
 
     ``mode`` (embedded or distributed) is recorded when the run is created, so that a later
-    ``crossalign rerun`` redoes steps the same way.
+    ``crossalign rerun`` redoes steps the same way. ``from_hf``: step 1 imports this Hugging
+    Face checkpoint instead of training from a random init (recorded as the run's start).
     """
     config, path = resolve_config(config_name, overrides)
     run_id = run_id or default_run_id(config)
@@ -85,7 +94,7 @@ def prepare_run(store: RunStore, config_name: str | Path, *, run_id: str | None 
         if existing.get("dataset") and dataset is None:
             parameters["dataset"] = existing["dataset"]
     run = store.create_run(run_id, config, config_source=str(path), parameters=parameters,
-                           code_version=code_version())
+                           code_version=code_version(), start=None if from_hf is None else hf_start(from_hf))
     recorded = run.info.get("dataset")
     if recorded is None:
         files = dataset if dataset is not None else shared_dataset(store, config.model.vocab_size)
