@@ -231,3 +231,15 @@ def test_megatron_core_refuses_a_warmup_that_megatron_asserts_on(tmp_path):
                            output_dir=tmp_path / "out", init_checkpoint=tmp_path / "checkpoint")
     with pytest.raises(ValueError, match="lr_warmup_iters 5 must be below training.train_iters 5"):
         mcore_trainer.run_training(request, {}, 1, np.zeros((5, 4, 129), dtype=np.int64))
+
+
+def test_the_report_names_what_trained_each_side(tmp_path):
+    from crossalign.report.compare import CompareOptions, compare_logs
+
+    fixtures = Path(__file__).parent / "fixtures" / "logs"
+    ran = {"npu": "crossalign's MindSpore Qwen3.5", "gpu": mcore_trainer.LocalMegatronBackend().implementation}
+    summary = compare_logs(fixtures / "mindformers_pynative.log", fixtures / "megatron_0.16_noise.log", tmp_path,
+                           CompareOptions(plot=False), implementations=ran)
+    assert summary.to_dict()["inputs"]["gpu"]["implementation"].startswith("megatron-core 0.16.1")
+    report = (tmp_path / "report.md").read_text()
+    assert f"trained by {ran['gpu']}" in report and f"trained by {ran['npu']}" in report

@@ -319,8 +319,12 @@ def parse_both(npu_log: Path, gpu_log: Path, options: CompareOptions) -> tuple[p
     return parse_log(Path(npu_log), **kwargs), parse_log(Path(gpu_log), **kwargs)
 
 
-def compare_logs(npu_log: Path, gpu_log: Path, out_dir: Path, options: CompareOptions | None = None) -> Summary:
-    """Parse, judge and write the report into ``out_dir``; raises LogFormatError on an unreadable log."""
+def compare_logs(npu_log: Path, gpu_log: Path, out_dir: Path, options: CompareOptions | None = None, *,
+                 implementations: dict[str, str] | None = None) -> Summary:
+    """Parse, judge and write the report into ``out_dir``; raises LogFormatError on an unreadable log.
+
+    ``implementations`` (side -> what trained it, from the training steps' manifests) is named in the report.
+    """
     from crossalign.report.render import write_outputs
 
     options = options or CompareOptions()
@@ -328,6 +332,8 @@ def compare_logs(npu_log: Path, gpu_log: Path, out_dir: Path, options: CompareOp
     npu, gpu = parse_both(npu_log, gpu_log, options)
     parsed = time.perf_counter()
     summary, merged = build_summary(npu, gpu, options)
+    for side, implementation in (implementations or {}).items():
+        summary.inputs[side]["implementation"] = implementation
     judged = time.perf_counter()
     summary.timings = {"parse_s": round(parsed - started, 4), "compare_s": round(judged - parsed, 4)}
     write_outputs(summary, merged, Path(out_dir), plot=options.plot)

@@ -115,12 +115,18 @@ def _list_md(items: list[str]) -> str:
     return "\n".join(f"- {item}" for item in items) if items else "- none"
 
 
+def _ran(side: str, summary: Summary) -> str:
+    """", trained by <implementation>" where the run recorded what trained that side."""
+    implementation = summary.inputs[side].get("implementation")
+    return f", trained by {implementation}" if implementation else ""
+
+
 def render_markdown(summary: Summary, steps: pd.DataFrame, with_plot: bool) -> str:
     rows = metric_rows(summary)
     header = list(rows[0])
     lines = [f"# crossalign comparison: {summary.verdict.upper()}", "",
-             f"- npu log: `{summary.inputs['npu']['path']}` ({summary.inputs['npu']['format']})",
-             f"- gpu log: `{summary.inputs['gpu']['path']}` ({summary.inputs['gpu']['format']})",
+             f"- npu log: `{summary.inputs['npu']['path']}` ({summary.inputs['npu']['format']}){_ran('npu', summary)}",
+             f"- gpu log: `{summary.inputs['gpu']['path']}` ({summary.inputs['gpu']['format']}){_ran('gpu', summary)}",
              f"- gold standard (a pass with step-1 rel err < {GOLD_LIMIT * 100:g}%): {'yes' if summary.gold_standard else 'no'}",
              f"- coverage: {_coverage(summary)}",
              "", "## Reasons", _list_md(summary.reasons), "",
@@ -171,8 +177,9 @@ def render_html(summary: Summary, steps: pd.DataFrame, png: bytes | None) -> str
         "</style></head><body>",
         f"<p class='verdict'>{summary.verdict.upper()}</p>",
         f"<p>npu log <code>{html.escape(summary.inputs['npu']['path'])}</code> "
-        f"({html.escape(summary.inputs['npu']['format'])}), gpu log <code>{html.escape(summary.inputs['gpu']['path'])}"
-        f"</code> ({html.escape(summary.inputs['gpu']['format'])}); gold standard (a pass with step-1 rel err &lt; "
+        f"({html.escape(summary.inputs['npu']['format'])}){html.escape(_ran('npu', summary))}, "
+        f"gpu log <code>{html.escape(summary.inputs['gpu']['path'])}"
+        f"</code> ({html.escape(summary.inputs['gpu']['format'])}){html.escape(_ran('gpu', summary))}; gold standard (a pass with step-1 rel err &lt; "
         f"{GOLD_LIMIT * 100:g}%): {'yes' if summary.gold_standard else 'no'}; coverage: "
         f"{html.escape(_coverage(summary))}</p>",
         "<h2>Reasons</h2>", items(summary.reasons),
