@@ -269,6 +269,8 @@ def register(app: typer.Typer) -> None:
         retries: int = typer.Option(2, help="attempts after an infrastructure failure (never after a bad input)"),
         retry_delay: float = typer.Option(10.0, help="seconds before the first retry (tripled each time)"),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's own log lines"),
+        from_hf: Optional[Path] = typer.Option(None, "--from-hf", help="start from this Hugging Face checkpoint: "
+                                               "step 1 imports it (cpu) instead of base training"),
     ) -> None:
         """Run the six-step alignment; prints the verdict. Exit 0 pass, 1 fail, 2 invalid or bad input."""
         from crossalign.config import ConfigError
@@ -282,6 +284,11 @@ def register(app: typer.Typer) -> None:
             run_id = check_run_id(run_id or default_run_id(resolved))
             if RunStore(root).exists(run_id):
                 RunStore(root).run(run_id).check_config(resolved)
+            if from_hf is not None:  # the run records its start; the flow then reopens it
+                from crossalign.tasks.prepare import prepare_run
+
+                prepare_run(RunStore(root), config, run_id=run_id, overrides=overrides, from_hf=from_hf,
+                            mode="distributed" if distributed else "embedded")
         raise typer.Exit(_run_flow(config=config, run_id=run_id, root=root, overrides=overrides, rerun=[],
                                    distributed=distributed, retries=retries, retry_delay=retry_delay,
                                    verbose=verbose))
