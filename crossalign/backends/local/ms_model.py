@@ -77,7 +77,7 @@ class Linear(nn.Cell):
 
 
 class RMSNorm(nn.Cell):
-    """y = x * rsqrt(mean(x^2) + eps) * w, plain gamma (no 1+w)."""
+    """y = x * rsqrt(mean(x^2) + eps) * w, plain gamma (no 1+w; Hugging Face's zero-centred w' is w - 1)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()

@@ -42,7 +42,11 @@ def mtp_inner_layer_name(core_version: str) -> str:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with a plain gamma (no zero-centred 1+w): x / sqrt(mean(x^2) + eps) * w, in fp32."""
+    """RMSNorm with a plain gamma (no zero-centred 1+w): x / sqrt(mean(x^2) + eps) * w, in fp32.
+
+    Hugging Face's Qwen3_5RMSNorm is the zero-centred form x_hat * (1 + w'), the same function with
+    w = 1 + w' (the HF converter adds the 1); its GDN gated norm is plain, like this one.
+    """
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
