@@ -180,16 +180,16 @@ def _resolve_iteration2(frames: dict[str, pd.DataFrame], notes: list[str]) -> li
                 row = frame.index[frame["step"] == step]
                 for name, corrected in found["mean_undone"].items():
                     frame.loc[row, name] = corrected
-            chosen, rejected = (("the mean of steps " f"{found['first_step']} and {step} taken out", "as printed")
-                                if test["reading"] == "mean_undone" else
-                                ("as printed", f"the mean of steps {found['first_step']} and {step} taken out"))
+            used = test["reading"]
+            unused = "as_printed" if used == "mean_undone" else "mean_undone"
+            words = {"as_printed": "as printed", "mean_undone": f"with the mean of steps {found['first_step']} and "
+                     f"{step} taken out"}
+            writer = {"as_printed": "a core without the iteration-2 mean", "mean_undone": "a core 0.16-0.19"}
             notes.append(
-                f"{side}: Megatron core version unknown: at step {step} the lm loss read {chosen} "
-                f"({test[test['reading']]:.6g}) is {_pct(test['err_' + test['reading']])} from the other log "
-                f"({value:.6g}), read {rejected} it would be "
-                f"{_pct(test['err_as_printed' if test['reading'] == 'mean_undone' else 'err_mean_undone'])}: "
-                f"read {'as written by a core 0.16-0.19' if test['reading'] == 'mean_undone' else 'as written by a core without the iteration-2 mean'} "
-                "(pass --megatron-core-version to decide it instead)")
+                f"{side}: Megatron core version unknown: at step {step} the lm loss read {words[used]} "
+                f"({test[used]:.6g}) is {_pct(test['err_' + used])} from the other log ({value:.6g}); read "
+                f"{words[unused]} it would be {_pct(test['err_' + unused])}: the log is read as written by "
+                f"{writer[used]} (pass --megatron-core-version to decide it instead)")
             tests.append(test)
     return tests
 
