@@ -243,3 +243,62 @@ def test_the_report_names_what_trained_each_side(tmp_path):
     assert summary.to_dict()["inputs"]["gpu"]["implementation"].startswith("megatron-core 0.16.1")
     report = (tmp_path / "report.md").read_text()
     assert f"trained by {ran['gpu']}" in report and f"trained by {ran['npu']}" in report
+
+
+def write_indexed_dataset(prefix: Path, vocab: int, documents: int = 40, seed: int = 0) -> None:
+    """A small Megatron indexed dataset of random documents, written by megatron-core's own builder."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for _ in range(documents):
+        length = int(rng.integers(50, 300))
+        builder.add_document(torch.from_numpy(rng.integers(0, vocab, length).astype(np.int32)), [length])
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_backend_trains_from_a_bf16_megatron_checkpoint_on_the_megatron_sample_order(tmp_path):
+    from test_torch_trainer import config_with, initial_state, iteration_lines
+
+    from crossalign.backends.local.mcore_trainer import LocalMegatronBackend
+    from crossalign.checkpoint.megatron import write_megatron_checkpoint
+    from crossalign.data.order import batches_for
+
+    config = config_with("qwen35_dense_tiny", train_iters=2, lr_warmup_iters=1)
+    prefix = tmp_path / "data" / "corpus_text_document"
+    prefix.parent.mkdir()
+    write_indexed_dataset(prefix, config.model.vocab_size)
+    state = {key: value.to(torch.bfloat16) for key, value in initial_state(config).items()}
+    write_megatron_checkpoint(tmp_path / "checkpoint", 20, state)
+
+    metrics = []
+    request = TrainRequest(config=config, side="megatron", mode="align",
+                           data=DatasetFiles(prefix, tmp_path / "data" / "tokenizer.json"),
+                           output_dir=tmp_path / "out", init_checkpoint=tmp_path / "checkpoint",
+                           on_step=lambda step, total, values: metrics.append((step, total, values)))
+    result = LocalMegatronBackend().train(request)
+    assert result.iterations == 2 and result.checkpoint_dir is None
+    lines = result.log_path.read_text().splitlines()
+    assert f" loading checkpoint from {tmp_path / 'checkpoint'} at iteration 20" in lines
+    assert len(iteration_lines(lines)) == 2
+    assert [(step, total) for step, total, _ in metrics] == [(1, 2), (2, 2)]
+
+    # iteration 1 is the loss of the upcast bf16 weights on Megatron's first global batch, as our reference computes it
+    from crossalign.backends.local.torch_model import Qwen35Model
+
+    net = Qwen35Model(config.model)
+    net.load_state_dict({key: value.float() for key, value in state.items()})
+    tokens = torch.as_tensor(batches_for("megatron", config.training, prefix)[0])
+    _, lm_loss, _, _ = net(tokens[:, :-1], tokens[:, 1:], torch.ones(4, config.training.seq_length))
+    assert metrics[0][2]["lm_loss"] == pytest.approx(lm_loss.item(), rel=1e-6)
+    assert LocalMegatronBackend().implementation.startswith("megatron-core 0.16.1")
+
+
+def test_backend_runs_the_alignment_step_only(tmp_path):
+    from crossalign.backends.local.mcore_trainer import LocalMegatronBackend
+
+    config = load_config("qwen35_dense_tiny")
+    request = TrainRequest(config=config, side="megatron", mode="base",
+                           data=DatasetFiles(tmp_path / "corpus", tmp_path / "tokenizer.json"), output_dir=tmp_path)
+    with pytest.raises(ValueError, match="mode 'base' is not supported"):
+        LocalMegatronBackend().train(request)

@@ -1,4 +1,8 @@
-"""The embedded Megatron stand-in: trains our PyTorch Qwen3.5 on CPU and logs like Megatron's ``training_log``.
+"""Our PyTorch Qwen3.5 trained on CPU with Megatron's semantics, logging like Megatron's ``training_log``.
+
+This is the independent reference for the embedded GPU side, which trains megatron-core itself
+(``mcore_trainer``, which also prints its log with :class:`MegatronLogLines`): the tests and
+``benchmarks/embedded.py`` hold the two against each other. It is not a backend of the DAG.
 
 It reproduces what changes the numbers in a real ``--finetune --no-load-optim`` Megatron run
 (SPEC section 6): strict loading of the converted checkpoint, AdamW with bias correction and no
@@ -15,7 +19,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -249,25 +252,3 @@ def _step_metrics(stats: IterationStats, applied_lr: float) -> dict[str, float]:
         if key.startswith("mtp_"):
             metrics[key.replace(" ", "_")] = value
     return metrics
-
-
-class LocalMegatronBackend:
-    """The embedded CPU stand-in for Megatron-LM (DAG step 4): align mode only."""
-
-    name = "local-megatron"
-
-    def train(self, request: TrainRequest) -> TrainResult:
-        if request.mode != "align":
-            raise ValueError(f"{self.name}: mode {request.mode!r} is not supported; Megatron only runs the "
-                             "alignment step (mode 'align')")
-        if request.init_checkpoint is None:
-            raise ValueError(f"{self.name}: align mode needs init_checkpoint (a Megatron checkpoint directory)")
-        if request.save:
-            raise ValueError(f"{self.name}: saving checkpoints is not supported (the alignment run only logs)")
-        from crossalign.checkpoint.megatron import read_megatron_checkpoint
-        from crossalign.data.order import batches_for
-
-        checkpoint = read_megatron_checkpoint(Path(request.init_checkpoint), request.config.model)
-        batches = batches_for("megatron", request.config.training, request.data.prefix,
-                              num_samples=request.iterations * request.config.training.global_batch_size)
-        return run_training(request, checkpoint.state, checkpoint.iteration, batches)
