@@ -168,6 +168,7 @@ class SelfcheckReport:
     megatron_checkpoint: str
     fault: str | None
     huggingface_checkpoint: str = "converted here"
+    departure: str | None = None  # where transformers and the PyTorch model part, when they do
     implementations: list[ImplementationResult] = field(default_factory=list)
     pairs: list[PairCheck] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -282,6 +283,21 @@ def _from_huggingface(config: AlignmentConfig, workdir: Path, hf_ckpt: Path) -> 
     return ms_ckpt, mg_ckpt
 
 
+def _departure(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> str:
+    """The first module where transformers' model and the PyTorch model part, both run again with hooks."""
+    from crossalign.checkpoint.megatron import read_megatron_checkpoint
+    from crossalign.diagnose.hf_side import build_hf, first_departure
+
+    version = config.training.megatron_core_version
+    net, _ = build_megatron(config.model, read_megatron_checkpoint(checkpoints.megatron, config.model).state, version)
+    found = first_departure(build_hf(config.model, checkpoints.huggingface), net, batch, version)
+    if found is None:
+        return "every compared module output agrees; they part in the losses"
+    hf_module, torch_module, error = found
+    return (f"first at transformers {hf_module} / PyTorch {torch_module} (max abs error {error:.3e} of the "
+            "largest output)")
+
+
 def _to_huggingface(config: AlignmentConfig, workdir: Path, ms_ckpt: Path) -> tuple[Path | None, str]:
     """The MindFormers checkpoint in the Hugging Face layout, or None and why the model has no such form."""
     from crossalign.checkpoint.convert import convert_checkpoint
@@ -358,6 +374,11 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
                 result.load_error = str(exc)
             result.seconds = seconds[implementation.name] = time.perf_counter() - start
             report.implementations.append(result)
+        ran = {r.name: r.outputs for r in report.implementations if r.outputs is not None}
+        if "transformers" in ran and "PyTorch" in ran and not all(
+                check.passed for check in compare_outputs(ran["PyTorch"], ran["transformers"], tolerances)):
+            stage("finding where transformers and PyTorch part")
+            report.departure = _departure(config, checkpoints, the_batch)
     loaded = [r for r in report.implementations if r.outputs is not None]
     for reference, other in itertools.combinations(loaded, 2):
         report.pairs.append(PairCheck(reference.name, other.name,

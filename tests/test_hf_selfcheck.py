@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from crossalign.cli import app
 from crossalign.diagnose.sides import SideError
-from crossalign.selfcheck import selfcheck
+from crossalign.selfcheck import IMPLEMENTATIONS, selfcheck
 
 SEQ, BATCH = 32, 2
 
@@ -37,3 +37,19 @@ def test_hf_source_excludes_the_other_sources_and_the_cli_runs_it(tmp_path):
     assert "transformers" in result.output and "4 implementations agree" in result.output
     wrong = CliRunner().invoke(app, ["selfcheck", "--model", "qwen35_moe_tiny", "--hf", str(hf)])
     assert wrong.exit_code == 2 and "does not match model qwen35_moe_tiny" in wrong.output
+
+
+def test_where_transformers_and_pytorch_part_is_named(tmp_path):
+    """A shared-expert fc1 left interleaved by the Megatron conversion: the first module to differ is layer 0's MLP."""
+    from crossalign.checkpoint.convert import convert_checkpoint
+    from crossalign.checkpoint.layout import random_mindformers_state
+    from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+    from crossalign.config import load_config
+
+    model = load_config("qwen35_moe_tiny").model
+    write_mindformers_checkpoint(tmp_path / "ms", 1, random_mindformers_state(model, seed=3), None, default_common(1))
+    convert_checkpoint(model, "ms2mg", tmp_path / "ms", tmp_path / "mg", fault="shared_fc1_not_deinterleaved")
+    two = [i for i in IMPLEMENTATIONS if i.name in ("PyTorch", "transformers")]  # MindSpore's forward adds nothing here
+    report = selfcheck("qwen35_moe_tiny", tmp_path / "ms", tmp_path / "mg", seq=SEQ, batch=1, implementations=two)
+    assert not report.passed and report.pairs[0].name == "PyTorch vs transformers"
+    assert report.departure.startswith("first at transformers lm.model.layers.0.mlp / PyTorch decoder.layers.0.mlp")

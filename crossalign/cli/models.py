@@ -154,6 +154,8 @@ def selfcheck_command(
         return
     for pair in report.pairs:
         console.print(f"  {pair.name}: " + ("[green]agree[/]" if pair.passed else "[bold red]differ[/]"), highlight=False)
+    if report.departure is not None:
+        console.print(f"  transformers and PyTorch part {report.departure}", highlight=False)
     odd = report.odd_one_out()
     if odd is not None:
         console.print(f"[bold red]FAIL[/] the odd one out is {odd}" +

@@ -72,6 +72,66 @@ def _mtp_module(lm: Any, state: dict[str, Any]) -> Any:
     return mtp.to(torch.float32).eval()
 
 
+def module_pairs(ref: HFReference, core_version: str) -> list[tuple[str, str]]:
+    """transformers' modules and our PyTorch model's modules that compute the same tensor, in forward order.
+
+    The input norms are fused into the following linear on the Megatron side, so the comparable
+    outputs are the embedding, each layer's mixer and MLP (before the residual add) and the layer
+    itself, the final norm, the MTP layer's fc, inner layer and norm, and the output layer.
+    """
+    from crossalign.checkpoint.layout import mtp_layer_prefix
+
+    m = ref.model
+    pairs = [("lm.model.embed_tokens", "embedding.word_embeddings")]
+    for i, kind in enumerate(m.layer_kinds):
+        mixer = "self_attn" if kind == "attention" else "linear_attn"
+        pairs += [(f"lm.model.layers.{i}.{mixer}", f"decoder.layers.{i}.self_attention"),
+                  (f"lm.model.layers.{i}.mlp", f"decoder.layers.{i}.mlp"), (f"lm.model.layers.{i}", f"decoder.layers.{i}")]
+    pairs += [("lm.model.norm", "decoder.final_layernorm"), ("lm.lm_head", "output_layer")]
+    if ref.mtp is not None:
+        inner = f"mtp.layers.0.{mtp_layer_prefix(core_version)}"
+        pairs += [("mtp.fc", "mtp.layers.0.eh_proj"), ("mtp.layers.0.self_attn", f"{inner}.self_attention"),
+                  ("mtp.layers.0.mlp", f"{inner}.mlp"), ("mtp.layers.0", inner), ("mtp.norm", "mtp.layers.0.final_layernorm")]
+    return pairs
+
+
+def first_departure(ref: HFReference, net: Any, batch: Batch, core_version: str,
+                    tolerance: float = 1e-4) -> tuple[str, str, float] | None:
+    """The first module (in forward order) whose output differs between transformers and our PyTorch model:
+    (transformers module, PyTorch module, max abs error over max |output|), or None if every pair agrees."""
+    import torch
+
+    roots = {"lm": ref.lm, "mtp": ref.mtp}
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        def hook(_module, _inputs, output):
+            tensor = output[0] if isinstance(output, tuple) else output
+            outputs.setdefault(name, tensor.detach().double())  # the first call (lm_head also serves the MTP)
+        return hook
+
+    pairs = module_pairs(ref, core_version)
+    hooks = []
+    for hf_name, torch_name in pairs:
+        root, _, path = hf_name.partition(".")
+        hooks.append(roots[root].get_submodule(path).register_forward_hook(keep("hf:" + hf_name)))
+        hooks.append(net.get_submodule(torch_name).register_forward_hook(keep("pt:" + torch_name)))
+    try:
+        run_hf(ref, batch)
+        from crossalign.diagnose.sides import run_megatron
+
+        run_megatron(net, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for hf_name, torch_name in pairs:
+        a, b = outputs["hf:" + hf_name], outputs["pt:" + torch_name].reshape(outputs["hf:" + hf_name].shape)
+        error = float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
+        if error > tolerance:
+            return hf_name, torch_name, error
+    return None
+
+
 class HFReference:
     """transformers' causal LM (trunk) and the MTP layer built from its modules, in fp32."""
 
