@@ -166,3 +166,18 @@ def test_cli_model_and_expect_steps(tmp_path):
                                       str(n - 1), "--no-plot"])
     assert result.exit_code == 0, result.output
     assert f"{n - 1} of {n - 1} expected steps compared" in result.output
+
+
+def test_extra_losses_both_logs_print_are_reported_not_judged(tmp_path):
+    """A loss other than lm, MTP and aux (here the indexer loss) is compared by name when both print it."""
+    npu, gpu = aligned_pair(9, steps=12)
+    indexer = 0.5 + 0.01 * np.sin(np.arange(12))
+    npu_lines = [line.replace(", lr:", f", indexer_loss: {indexer[i] * 1.2:10.6f}, lr:")
+                 for i, line in enumerate(mindformers_lines(list(npu)))]
+    gpu_lines = [line.replace(" | loss scale:", f" | indexer loss: {indexer[i]:.6E} | loss scale:")
+                 for i, line in enumerate(megatron_lines(list(gpu)))]
+    summary = compare_logs(write_log(tmp_path / "npu.log", npu_lines), write_log(tmp_path / "gpu.log", gpu_lines),
+                           tmp_path / "out", CompareOptions(plot=False, megatron_core_version="0.16.1"))
+    extra = summary.series["indexer_loss"]
+    assert not extra.required and extra.step1_rel_err == pytest.approx(0.2, rel=1e-4)
+    assert summary.verdict == "pass"  # reported, not judged

@@ -106,12 +106,21 @@ class Summary:
 
 
 def _series_names(frames: dict[str, pd.DataFrame], unusable: dict[str, str]) -> list[str]:
+    """lm and MTP losses (judged), then the aux loss and the extra losses both logs print under the same
+    name (reported: ``z_loss``, ``indexer_loss``)."""
     mtp = sorted({c for f in frames.values() for c in f.attrs["logged"] if c.startswith("mtp_")} | set(unusable),
                  key=lambda c: int(c.split("_")[1]))
     names = ["lm_loss", *mtp]
     if all("aux_loss" in f.attrs["logged"] for f in frames.values()):
         names.append("aux_loss")
+    npu_extras, gpu_extras = (f.attrs.get("extra_losses", []) for f in frames.values())
+    names += [name for name in npu_extras if name in gpu_extras and all(name in f.attrs["logged"] for f in frames.values())]
     return names
+
+
+def _judged(name: str) -> bool:
+    """The series the verdict rests on: the lm loss and every MTP loss."""
+    return name == "lm_loss" or name.startswith("mtp_")
 
 
 def _input_info(frame: pd.DataFrame) -> dict:
@@ -251,7 +260,7 @@ def build_summary(npu: pd.DataFrame, gpu: pd.DataFrame,
     merged = aligned_frame(npu, gpu, names)
     excluded = set(options.exclude_steps)
     series = {
-        name: series_metrics(name, name != "aux_loss", merged,
+        name: series_metrics(name, _judged(name), merged,
                              {side: name in f.attrs["logged"] for side, f in frames.items()},
                              excluded, options.step_threshold)
         for name in names
@@ -287,10 +296,10 @@ def build_summary(npu: pd.DataFrame, gpu: pd.DataFrame,
     for m in required:
         if m.step1 not in (None, 1):
             notes.append(f"{m.name}: the first common step is {m.step1}, used as 'step 1'")
-    if "aux_loss" not in series:
-        logged_aux = [side for side, f in frames.items() if "aux_loss" in f.attrs["logged"]]
-        if logged_aux:
-            notes.append(f"aux_loss is logged by {logged_aux[0]} only: not compared")
+    for name in dict.fromkeys(["aux_loss", *(x for f in frames.values() for x in f.attrs.get("extra_losses", []))]):
+        logged = [side for side, f in frames.items() if name in f.attrs["logged"]]
+        if name not in series and logged:
+            notes.append(f"{name} is logged by {logged[0]} only: not compared")
 
     summary = Summary(
         verdict=verdict, reasons=reasons, diagnosis=findings, notes=notes,

@@ -171,7 +171,7 @@ def diagnose(series: dict[str, SeriesMetrics], merged: pd.DataFrame, frames: dic
     judged_grow = any(growing[m.name] for m in compared if m.required)
     for m in compared:
         grow = growing[m.name]
-        if grow and not m.required and not judged_grow:
+        if grow and m.name == "aux_loss" and not judged_grow:
             grow = _routing_drift(grow)
         for check in (_step2_spike(m, merged, frames, lr), _offset_or_mismatch(m, merged), _uncorrelated(m), grow):
             if check:
