@@ -302,3 +302,9 @@ def test_backend_runs_the_alignment_step_only(tmp_path):
                            data=DatasetFiles(tmp_path / "corpus", tmp_path / "tokenizer.json"), output_dir=tmp_path)
     with pytest.raises(ValueError, match="mode 'base' is not supported"):
         LocalMegatronBackend().train(request)
+    other = config.model_copy(update={"training": config.training.model_copy(update={"megatron_core_version": "0.17.0"})})
+    request = TrainRequest(config=other, side="megatron", mode="align", init_checkpoint=tmp_path / "checkpoint",
+                           data=DatasetFiles(tmp_path / "corpus", tmp_path / "tokenizer.json"), output_dir=tmp_path)
+    with pytest.raises(ValueError, match="megatron_core_version is 0.17.0, but the embedded GPU side is the installed "
+                                         "megatron-core 0.16.1"):
+        LocalMegatronBackend().train(request)

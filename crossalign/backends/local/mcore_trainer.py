@@ -219,9 +219,17 @@ class LocalMegatronBackend:
                              "alignment step (mode 'align')")
         if request.init_checkpoint is None:
             raise ValueError(f"{self.name}: align mode needs init_checkpoint (a Megatron checkpoint directory)")
+        from importlib.metadata import version
+
+        from crossalign.checkpoint.layout import core_version_tuple
         from crossalign.checkpoint.megatron import read_megatron_checkpoint
         from crossalign.data.order import batches_for
 
+        wanted, installed = request.config.training.megatron_core_version, version("megatron-core")
+        if core_version_tuple(wanted) != core_version_tuple(installed):
+            raise ValueError(f"{self.name}: training.megatron_core_version is {wanted}, but the embedded GPU side is "
+                             f"the installed megatron-core {installed} (its MTP key prefix and log semantics would "
+                             "not be the configured ones)")
         checkpoint = read_megatron_checkpoint(Path(request.init_checkpoint), request.config.model)
         batches = batches_for("megatron", request.config.training, request.data.prefix,
                               num_samples=request.iterations * request.config.training.global_batch_size)
