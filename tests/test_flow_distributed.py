@@ -180,24 +180,31 @@ def test_artifacts_and_report_open_in_a_browser(stack, prefect_client_settings):
     import urllib.request
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
+                                                FlowRunFilterName)
 
     run_id = "e2e-dense"
     if not (stack["store"] / run_id / "06-compare").exists():
         pytest.skip("needs the finished run of the first test")
     with get_client(sync_client=True) as client:
         parent = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_id])))[0]
-    page = _browse(f"{stack['ui_url']}/runs/flow-run/{parent.id}?tab=Artifacts", stack["root"] / "artifacts.png",
-                   screenshot=True)
+        artifacts = {a.key: a for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[parent.id])))}
     plot = f"{stack['report_url']}{run_id}/06-compare/loss.png"
-    assert "verdict: pass" in page and plot in page, page[-3000:]
-    assert (stack["root"] / "artifacts.png").stat().st_size > 0
+    report = f"{stack['report_url']}{run_id}/06-compare/report.html"
+    page = _browse(f"{stack['ui_url']}/artifacts/artifact/{artifacts['compare-loss-plot'].id}",
+                   stack["root"] / "plot-artifact.png", screenshot=True)
+    assert "verdict: pass" in page and f'<img src="{plot}">' in page, page[-3000:]
+    assert f"run {run_id}: verdict pass; report" in page, "the run's final message is shown beside it"
+    assert (stack["root"] / "plot-artifact.png").stat().st_size > 0
     with urllib.request.urlopen(plot, timeout=30) as response:
         assert response.status == 200 and response.headers["content-type"] == "image/png"
         assert response.read()[:4] == b"\x89PNG"
-    report = _browse(f"{stack['report_url']}{run_id}/06-compare/report.html", stack["root"] / "report.png",
-                     screenshot=True)
-    assert "class=\"verdict\">PASS<" in report, report[:2000]
+    page = _browse(f"{stack['ui_url']}/artifacts/artifact/{artifacts['compare-report-link'].id}",
+                   stack["root"] / "link-artifact.png")
+    assert f'href="{report}"' in page, page[-3000:]
+    page = _browse(report, stack["root"] / "report.png", screenshot=True)
+    assert "class=\"verdict\">PASS<" in page, page[:2000]
     assert (stack["root"] / "report.png").stat().st_size > 0
 
 
@@ -246,8 +253,8 @@ def test_a_damaged_output_is_redone_on_a_retry_of_the_parent(stack, prefect_clie
 
 
 def test_rerun_deployment_redoes_one_step_and_its_downstream(stack, prefect_client_settings):
-    """The `rerun` deployment with run_id and step=convert on the finished run: convert, megatron-train
-    and compare run again as new children; the other steps are skipped."""
+    """The `rerun` deployment with run_id and step=megatron-train on the finished run: megatron-train and
+    compare run again as new children; the other steps are skipped."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
@@ -259,10 +266,10 @@ def test_rerun_deployment_redoes_one_step_and_its_downstream(stack, prefect_clie
     with get_client(sync_client=True) as client:
         children_before = set(_flow_runs_by_name(client, run_id))
     parent = run_deployment("rerun/rerun", timeout=DAG_TIMEOUT_S, poll_interval=2, parameters={
-        "run_id": run_id, "step": "convert", "store": str(stack["store"]), "poll_interval_s": 1.0})
+        "run_id": run_id, "step": "megatron-train", "store": str(stack["store"]), "poll_interval_s": 1.0})
     assert parent.state.is_completed(), f"{parent.state.name}: {parent.state.message}"
-    assert parent.name == f"{run_id}-rerun-convert" and "verdict pass" in parent.state.message
-    redone = ("convert", "megatron-train", "compare")
+    assert parent.name == f"{run_id}-rerun-megatron-train" and "verdict pass" in parent.state.message
+    redone = ("megatron-train", "compare")
     for spec in STEPS:
         if spec.name in redone:
             assert run.manifest(spec.name)["finished"] >= before[spec.name]["finished"]
