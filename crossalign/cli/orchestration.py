@@ -421,20 +421,13 @@ def register(app: typer.Typer) -> None:
         import subprocess
 
         from crossalign.agents.worker import deploy
+        from crossalign.site import site_path
 
         _server_url(required=True, site_file=site_file or site_path())
         _quiet_prefect(verbose=True)
         with user_errors(FileNotFoundError, subprocess.CalledProcessError):
             deploy(prefect_file)
 
-    automations_app = typer.Typer(name="automations", help="Server-side automations (zombie runs, nightly alerts).",
-        from crossalign.site import site_path
-                                  no_args_is_help=True)
-    app.add_typer(automations_app, name="automations")
-
-    @automations_app.command("install")
-    def automations_install(
-        webhook: Optional[str] = typer.Option(None, "--webhook", help="URL to call when a nightly run fails"),
     server_app = typer.Typer(name="server", help="The Prefect server the agents and the UI talk to.",
                              no_args_is_help=True)
     app.add_typer(server_app, name="server")
@@ -514,6 +507,13 @@ def register(app: typer.Typer) -> None:
                       f"http://{shown}:{port}/", highlight=False)
         serve(served, host, port)
 
+    automations_app = typer.Typer(name="automations", help="Server-side automations (zombie runs, nightly alerts).",
+                                  no_args_is_help=True)
+    app.add_typer(automations_app, name="automations")
+
+    @automations_app.command("install")
+    def automations_install(
+        webhook: Optional[str] = typer.Option(None, "--webhook", help="URL to call when a nightly run fails"),
         zombie_after: int = typer.Option(600, "--zombie-after", help="seconds without heartbeat before a flow "
                                          "run counts as crashed; keep it well above the heartbeat interval of "
                                          "every flow on the server (crossalign's 60 s, Prefect's default 180 s)"),
