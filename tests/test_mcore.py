@@ -308,3 +308,14 @@ def test_backend_runs_the_alignment_step_only(tmp_path):
     with pytest.raises(ValueError, match="megatron_core_version is 0.17.0, but the embedded GPU side is the installed "
                                          "megatron-core 0.16.1"):
         LocalMegatronBackend().train(request)
+
+
+def test_the_orchestrating_process_never_loads_megatron_core():
+    """Picking the GPU backend (what the flow does) imports neither megatron-core nor its CPU workarounds."""
+    import subprocess
+
+    code = ("import sys; from crossalign.site import SiteConfig; from crossalign.tasks.backends import training_backend; "
+            "backend = training_backend('gpu', SiteConfig()); "
+            "print(backend.name, 'megatron.core' in sys.modules, 'crossalign.backends.local.mcore_cpu' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["local-megatron", "False", "False"], done.stderr
