@@ -241,7 +241,7 @@ def _finish(run_id: str, root: Path, state) -> int:
 
 
 def _run_flow(*, config: str | None, run_id: str, root: Path, overrides: list[str], rerun: list[str],
-              distributed: bool, retries: int, retry_delay: float, verbose: bool) -> int:
+              distributed: bool, retries: int, retry_delay: float, verbose: bool, from_hf: Path | None = None) -> int:
     _server_url(required=distributed)
     _quiet_prefect(verbose)
     from crossalign.flows.alignment import alignment
@@ -251,7 +251,8 @@ def _run_flow(*, config: str | None, run_id: str, root: Path, overrides: list[st
     console.print(f"run [bold]{run_id}[/] ({mode}) in {root}", highlight=False)
     with RunDisplay(run_id) as display, listening(display.handle):
         state = alignment(config=config, run_id=run_id, overrides=overrides, store=str(root), rerun=rerun,
-                          mode=mode, retries=retries, retry_delay_s=retry_delay, return_state=True)
+                          mode=mode, retries=retries, retry_delay_s=retry_delay, return_state=True,
+                          from_hf=None if from_hf is None else str(from_hf.absolute()))
     return _finish(run_id, root, state)
 
 
@@ -284,14 +285,13 @@ def register(app: typer.Typer) -> None:
             run_id = check_run_id(run_id or default_run_id(resolved))
             if RunStore(root).exists(run_id):
                 RunStore(root).run(run_id).check_config(resolved)
-            if from_hf is not None:  # the run records its start; the flow then reopens it
-                from crossalign.tasks.prepare import prepare_run
+            if from_hf is not None:  # not a Hugging Face folder: said here, before any flow starts
+                from crossalign.tasks.prepare import hf_start
 
-                prepare_run(RunStore(root), config, run_id=run_id, overrides=overrides, from_hf=from_hf,
-                            mode="distributed" if distributed else "embedded")
+                hf_start(from_hf)
         raise typer.Exit(_run_flow(config=config, run_id=run_id, root=root, overrides=overrides, rerun=[],
                                    distributed=distributed, retries=retries, retry_delay=retry_delay,
-                                   verbose=verbose))
+                                   verbose=verbose, from_hf=from_hf))
 
     @app.command("rerun")
     def rerun_command(

@@ -58,7 +58,7 @@ def name_flow_run(name: str) -> None:
 
 @task(name="prepare-run", task_run_name="prepare-run", cache_policy=NO_CACHE)
 def prepare(store: str, config: str | None, run_id: str, overrides: list[str], dataset: DatasetFiles | None,
-            rerun: list[str], mode: str) -> str:
+            rerun: list[str], mode: str, from_hf: str | None = None) -> str:
     """Create or reopen the run, settle its dataset, and invalidate the steps asked to rerun (once per flow run).
 
     Without ``config`` the run must exist and is reopened as it was.
@@ -67,7 +67,8 @@ def prepare(store: str, config: str | None, run_id: str, overrides: list[str], d
     if config is None:
         run = RunStore(store).run(run_id)
     else:
-        run = prepare_run(RunStore(store), config, run_id=run_id, overrides=overrides, dataset=dataset, mode=mode)
+        run = prepare_run(RunStore(store), config, run_id=run_id, overrides=overrides, dataset=dataset, mode=mode,
+                          from_hf=None if from_hf is None else Path(from_hf))
     logger.info(f"run {run.run_id} in {run.path} (dataset {run.dataset.prefix})")
     if rerun:
         token = str(current_flow_run.get_id() or "")
@@ -142,7 +143,7 @@ def alignment(config: ShippedConfig | str | None = "qwen35_dense_tiny", run_id: 
               overrides: list[str] | None = None, store: str | None = None, rerun: list[StepName] | None = None,
               mode: Mode = "distributed", dataset_prefix: str | None = None, tokenizer: str | None = None,
               retries: int = 2, retry_delay_s: float = 10.0, step_timeout_s: float | None = None,
-              poll_interval_s: float = 0.5) -> State:
+              poll_interval_s: float = 0.5, from_hf: str | None = None) -> State:
     """Run the six-step alignment of a model config; fails unless the verdict is "pass".
 
     The flow run is named after the run id; its final state message carries the verdict.
@@ -165,6 +166,8 @@ def alignment(config: ShippedConfig | str | None = "qwen35_dense_tiny", run_id: 
         retry_delay_s: Seconds before the first retry of a step, tripled for each further one.
         step_timeout_s: Give up on a step's flow run after this many seconds. Empty: no limit.
         poll_interval_s: Seconds between looks at a step's flow run.
+        from_hf: A Hugging Face checkpoint folder (every agent's path) to start from: step 1
+            imports it on the cpu pool instead of base training. Empty: base training.
     """
     if config is not None:  # a bad config or override fails here, named
         model = resolve_config(config, overrides or [])[0].model.name
@@ -176,7 +179,7 @@ def alignment(config: ShippedConfig | str | None = "qwen35_dense_tiny", run_id: 
     return _align(config=config, run_id=run_id, overrides=list(overrides or []), store=store,
                   rerun=list(rerun or []), mode=mode, dataset_prefix=dataset_prefix, tokenizer=tokenizer,
                   retries=retries, retry_delay_s=retry_delay_s, step_timeout_s=step_timeout_s,
-                  poll_interval_s=poll_interval_s)
+                  poll_interval_s=poll_interval_s, from_hf=from_hf)
 
 
 @flow(name="rerun", flow_run_name="{run_id}-rerun-{step}")
@@ -204,7 +207,7 @@ def rerun(run_id: str, step: StepName, store: str | None = None, retries: int = 
 
 def _align(*, config: str | None, run_id: str, overrides: list[str], store: str | None, rerun: list[str],
            mode: Mode, dataset_prefix: str | None, tokenizer: str | None, retries: int, retry_delay_s: float,
-           step_timeout_s: float | None, poll_interval_s: float) -> State:
+           step_timeout_s: float | None, poll_interval_s: float, from_hf: str | None = None) -> State:
     """The DAG in the current flow run (alignment or rerun); Completed with the verdict, else raises."""
     from prefect.artifacts import create_table_artifact
 
@@ -215,7 +218,7 @@ def _align(*, config: str | None, run_id: str, overrides: list[str], store: str 
         raise ConfigError("dataset_prefix and tokenizer go together: give both or neither")
     dataset = None if dataset_prefix is None else DatasetFiles(Path(dataset_prefix), Path(tokenizer))
     root = str(RunStore(store or load_site().store).root)
-    run_id = prepare(root, config, run_id, overrides, dataset, rerun, mode)
+    run_id = prepare(root, config, run_id, overrides, dataset, rerun, mode, from_hf)
     preflight(root, run_id)
 
     # on a retry or a rerun, outputs may have been damaged since they were committed
