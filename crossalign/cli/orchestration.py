@@ -187,7 +187,7 @@ def _status_table(run):
         shown = f"{len(outputs)} file{'' if len(outputs) == 1 else 's'}, {_size(sum(o['size'] for o in outputs))}" if outputs else ""
         if state.status == "failed":
             shown = (state.attempt or {}).get("error", "")[:80]
-        table.add_row(str(state.spec.index), state.spec.name, state.spec.pool,
+        table.add_row(str(state.spec.index), state.spec.name, run.pool(state.spec.name),
                       _styled(state.status), state.host,
                       _duration(state.seconds), shown)
     return table

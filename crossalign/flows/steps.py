@@ -33,7 +33,8 @@ def execute_step_flow(step: str, run_id: str, store: str | None, force: bool) ->
         logger.info(f"{step}: already done on {manifest['host']}; nothing to do")
         return {"step": step, "status": "skipped", "host": manifest["host"]}
     spec = step_spec(step)
-    logger.info(f"{step} ({spec.title}) of run {run_id} on the {spec.pool} pool, store {run.store.root}")
+    title = "import of Hugging Face weights" if run.pool(step) != spec.pool else spec.title
+    logger.info(f"{step} ({title}) of run {run_id} on the {run.pool(step)} pool, store {run.store.root}")
     try:
         manifest = execute_here(run, step, site, StepReporter(step, run_id, logger))
     except (StepFailed, InfrastructureError) as exc:

@@ -34,7 +34,7 @@ def steps_table(run: Run) -> list[dict[str, Any]]:
     rows = []
     for state in run.states():
         outputs = (state.manifest or {}).get("outputs", [])
-        rows.append({"step": state.spec.dirname, "pool": state.spec.pool, "state": state.status,
+        rows.append({"step": state.spec.dirname, "pool": run.pool(state.spec.name), "state": state.status,
                      "host": state.host, "seconds": state.seconds,
                      "outputs": len(outputs), "bytes": sum(o["size"] for o in outputs)})
     return rows
