@@ -70,12 +70,12 @@ def test_the_runtime_is_undone_on_exit():
 
 def test_the_self_test_names_what_an_upgrade_changed():
     mcore_cpu.self_test()  # the installed megatron-core is the one the workarounds were written for
-    moved = mcore_cpu.Workaround("megatron.core.transformer.utils", "get_default_causal_mask", "a reason",
-                                 lambda: None, upstream='device="cuda:0"')
+    moved = mcore_cpu.Workaround("megatron.core.ssm.gated_delta_net", "l2norm", "a reason",
+                                 lambda: None, upstream="from fla.modules.l2norm import l2norm_v2")
     gone = mcore_cpu.Workaround("megatron.core.transformer.utils", "no_such_function", "another reason", lambda: None)
     with pytest.raises(mcore_cpu.MegatronCpuError) as caught:
         mcore_cpu.self_test((moved, gone))
-    assert "megatron.core.transformer.utils.get_default_causal_mask" in str(caught.value)
+    assert "megatron.core.ssm.gated_delta_net.l2norm" in str(caught.value)
     assert "no_such_function no longer exists" in str(caught.value)
     with pytest.raises(mcore_cpu.MegatronCpuError, match="megatron-core .* checked on 0.15.0"):
         mcore_cpu.self_test((), {"megatron-core": ("0.15.0",), "torch": mcore_cpu.CHECKED_VERSIONS["torch"]})

@@ -15,6 +15,8 @@ TransformerConfig (``mcore_model.transformer_config``): ``deterministic_mode=Tru
 then uses megatron-core's own ``torch_chunk_gated_delta_rule`` and torch's conv1d, not fla's
 Triton kernel, which needs a GPU) and ``moe_token_dispatcher_type="allgather"`` (the alltoall
 dispatcher creates a CUDA stream; with one expert-parallel rank allgather communicates nothing).
+And GPTModel always gets an explicit causal mask (``mcore_model.positions_and_mask``): without one
+the softmax builds it with ``get_default_causal_mask``, which hard-codes ``device="cuda"``.
 """
 
 from __future__ import annotations
@@ -57,10 +59,6 @@ class Workaround:
         import importlib
 
         return importlib.import_module(self.module)
-
-
-def _cpu_causal_mask(sq: int) -> torch.Tensor:
-    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
 def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -135,10 +133,6 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("torch.cuda", "current_device",
                "passed as device= in many constructors (GatedDeltaNet's conv1d, A_log, dt_bias, linear "
                "layers' weights); on CPU it must name the CPU", lambda: _cpu_current_device),
-    Workaround("megatron.core.transformer.utils", "get_default_causal_mask",
-               "builds the causal mask with device='cuda'", lambda: _cpu_causal_mask, 'device="cuda"'),
-    Workaround("megatron.core.fusions.fused_softmax", "get_default_causal_mask",
-               "the same function, imported by name into the softmax that applies it", lambda: _cpu_causal_mask),
     Workaround("megatron.core.ssm.gated_delta_net", "l2norm",
                "fla's l2norm is a Triton kernel, which needs a GPU", lambda: _torch_l2norm,
                "from fla.modules.l2norm import l2norm"),
@@ -218,14 +212,25 @@ def _patched() -> Iterator[None]:
             setattr(module, attribute, original)
 
 
+def _clear_loss_trackers() -> None:
+    """Empty megatron-core's process-wide MoE aux-loss and MTP-loss trackers: every run starts from nothing."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    get_moe_layer_wise_logging_tracker().clear()
+    MTPLossLoggingHelper.tracker.clear()
+
+
 @contextlib.contextmanager
 def megatron_core_on_cpu(seed: int) -> Iterator[None]:
     """megatron-core ready to build and train a model in this process, on CPU; everything undone on exit.
 
-    Runs the self-test, applies the workarounds, turns off ``torch.compile`` (megatron-core's
-    ``jit_fuser``: about 14 s to compile on a cold start and nothing gained on CPU), starts a
-    one-process gloo group, initialises megatron-core's parallel state (every size 1) and seeds
-    its RNG states as ``model_parallel_cuda_manual_seed`` would (seed, seed + 2718, seed + 1024).
+    Runs the self-test, empties megatron-core's loss trackers (module globals that would carry one
+    run's losses into the next run in the same process), applies the workarounds, turns off
+    ``torch.compile`` (megatron-core's ``jit_fuser``: about 14 s to compile on a cold start and
+    nothing gained on CPU), starts a one-process gloo group, initialises megatron-core's parallel
+    state (every size 1) and seeds its RNG states as ``model_parallel_cuda_manual_seed`` would
+    (seed, seed + 2718, seed + 1024).
     """
     import torch._dynamo
     import torch.distributed as dist
@@ -233,6 +238,7 @@ def megatron_core_on_cpu(seed: int) -> Iterator[None]:
     from megatron.core.tensor_parallel import random as mcore_random
 
     self_test()
+    _clear_loss_trackers()
     if dist.is_initialized():
         raise MegatronCpuError("a torch.distributed process group is already running in this process")
     dynamo_was_disabled = torch._dynamo.config.disable
@@ -249,6 +255,7 @@ def megatron_core_on_cpu(seed: int) -> Iterator[None]:
                 tracker.add(mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
                 yield
             finally:
+                _clear_loss_trackers()
                 parallel_state.destroy_model_parallel()
                 dist.destroy_process_group()
     finally:

@@ -149,6 +149,17 @@ def load_converted_state(net, state: Mapping[str, torch.Tensor], model: ModelCon
     net.load_state_dict({key: value.to(dtypes[key]) for key, value in local.items()}, strict=True)
 
 
+def positions_and_mask(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTModel's position ids 0..T-1 and an explicit causal mask (True = masked) for input_ids [B, T].
+
+    Always passed: without a mask megatron-core's softmax makes one with ``get_default_causal_mask``,
+    which hard-codes ``device="cuda"``.
+    """
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, seq)
+    return position_ids, torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
+
+
 def forward(net, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, Any]:
     """One forward of GPTModel as pretrain_gpt.py runs it, with the values Megatron's own code computed.
 
@@ -161,9 +172,7 @@ def forward(net, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    batch, seq = input_ids.shape
-    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, seq)
-    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]  # True = masked
+    position_ids, causal = positions_and_mask(input_ids)
     logits = []
     # cloned: the vocab-parallel cross entropy works on the logits in place
     hook = net.output_layer.register_forward_hook(lambda module, args, output: logits.append(output[0].detach().clone()))

@@ -45,13 +45,12 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def _forward_step(data_iterator, model):
     """pretrain_gpt.py's forward_step: one micro batch through GPTModel with labels and loss mask."""
+    from crossalign.backends.local.mcore_model import positions_and_mask
+
     tokens = next(data_iterator)
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    batch, seq = input_ids.shape
     loss_mask = torch.ones(labels.shape, dtype=torch.float32)
-    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, seq)
-    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]  # True = masked
-    output = model(input_ids, position_ids, causal, labels=labels, loss_mask=loss_mask)
+    output = model(input_ids, *positions_and_mask(input_ids), labels=labels, loss_mask=loss_mask)
     return output, partial(_loss_func, loss_mask)
 
 
