@@ -93,6 +93,10 @@ def test_hf_round_trips_through_both_layouts_are_bit_identical(hf_checkpoints, t
     assert torch.equal(ms["decoder.layers.0.self_attention.out_norm.weight"],
                        original["model.layers.0.linear_attn.norm.weight"].float())  # the GDN norm is plain on both
     assert read_megatron_checkpoint(tmp_path / "mg", model).iteration == 0
+    # the MindFormers import carries the token-count buffers MindFormers' MoE layer saves (zeros, nothing routed yet)
+    buffers = read_mindformers_checkpoint(tmp_path / "ms").buffer_state()
+    assert len(buffers) == (model.num_layers + model.mtp_num_layers if model.is_moe else 0)
+    assert all(not tensor.any() for tensor in buffers.values())
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

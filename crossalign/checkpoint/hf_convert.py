@@ -17,8 +17,9 @@ import torch
 
 from crossalign.checkpoint.atomic import check_output_dir
 from crossalign.checkpoint.blocks import one_thread
-from crossalign.checkpoint.convert import (DTYPES, ConvertReport, Progress, _cast, _forward_specs, _from_memory, _inverse,
-                                           _nbytes, _outputs, _reused_reads, _run, check_state, mindformers_to_megatron)
+from crossalign.checkpoint.convert import (DTYPES, ConvertReport, Progress, _cast, _forward_specs, _fresh_buffers,
+                                           _from_memory, _inverse, _left_out_buffers, _nbytes, _outputs, _reused_reads,
+                                           _run, check_state, mindformers_to_megatron)
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.hf import HFCheckpoint, read_hf_checkpoint, write_hf_checkpoint
 from crossalign.checkpoint.hf_rules import hf_plan, hf_shapes
@@ -78,6 +79,7 @@ def convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: 
     check_parallel_sizes(model, tp, pp)
     check_output_dir(output_dir)
     start = time.perf_counter()
+    notes: list[str] = []
     if direction == "hf2mg":
         source = _checked_source(input_dir, model)
         plan = hf_plan(model, core_version, experts, source.experts, source.root)
@@ -97,16 +99,19 @@ def convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: 
         shapes = {key: tuple(t.shape) for key, t in megatron.items()}
         state = _inverse(lambda keys: [_cast(megatron.pop(key), dtype) for key in keys], shapes, model, THROUGH,
                          f"Megatron form of {source.directory}", progress)
+        keys_out, bytes_out = len(state), _nbytes(state.values())
+        buffers, notes = _fresh_buffers(model)  # as MindFormers' MoE layer saves them
+        state.update(buffers)
         written = write_mindformers_checkpoint(output_dir, iteration, state, None,
                                                default_common(iteration, global_batch_size))
         files = sorted(written.glob("*.safetensors"))
-        keys_out, bytes_out = len(state), _nbytes(state.values())
     else:
         try:
             config = hf_config_from_model(model, "float32")
         except ConfigError as exc:
             raise CheckpointError(str(exc)) from None
         source_ms = read_mindformers_checkpoint(input_dir)
+        notes = _left_out_buffers(source_ms, model)
         loaded = source_ms.model_state()
         iteration = source_ms.iteration or 0
         keys_in, bytes_in = len(loaded), _nbytes(loaded.values())
@@ -118,4 +123,4 @@ def convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: 
         keys_out, bytes_out = len(hf_state), _nbytes(hf_state.values())
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
-                         seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, dtype=dtype)
+                         seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, dtype=dtype, notes=notes)

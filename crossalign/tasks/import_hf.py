@@ -26,5 +26,5 @@ def import_hf(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
                                     global_batch_size=config.training.global_batch_size)
         out.details.update(start="huggingface", source=start["path"], checkpoint="checkpoint",
                            iteration=report.iteration, keys_in=report.keys_in, keys_out=report.keys_out,
-                           dtype=report.dtype)
+                           dtype=report.dtype, notes=report.notes)
     return run.manifest(STEP)
