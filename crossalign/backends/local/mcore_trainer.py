@@ -146,8 +146,9 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
         raise ValueError(f"{request.data.prefix}: {len(batches)} global batches for {total} iterations")
     request.output_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    threads = torch.get_num_threads()
+    threads, was_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(TRAINING_THREADS)
+    torch.use_deterministic_algorithms(True)  # what --deterministic-mode sets (megatron/training/arguments.py:1081, core_v0.16.1)
     try:
         with request.log_path.open("w", encoding="utf-8") as log, megatron_core_on_cpu(training.seed):
             def emit(text: str) -> None:
@@ -183,6 +184,7 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
                      "[ t 1/1, p 1/1 ]")
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(was_deterministic)
     return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
                        iterations=total, seconds=time.perf_counter() - started)
 
