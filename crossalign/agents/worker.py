@@ -75,7 +75,7 @@ def worker_argv(pool: str, name: str | None = None, limit: int | None = None) ->
 
 # Prefect's worker answers SIGTERM by stopping its poll loop, then waits for its API calls and its
 # client's background threads, which after a server restart can take minutes; it gets this long.
-STOP_GRACE_S = 6.0
+STOP_GRACE_S = 4.0
 
 
 def run_worker(pool: str, env: dict[str, str], name: str | None = None, limit: int | None = None) -> int:

@@ -193,8 +193,10 @@ def _status_table(run):
     return table
 
 
-def _verdict(run) -> tuple[str | None, Path | None]:
-    """The verdict of a run's compare step and its report file, if the step is done."""
+def _verdict(run) -> tuple[str | None, str | None]:
+    """The verdict of a run's compare step and where its report is (on the report server, else the file)."""
+    from crossalign.report.serve import store_url
+    from crossalign.site import load_site
     from crossalign.store import read_json
     from crossalign.tasks.compare import SUMMARY
 
@@ -203,7 +205,7 @@ def _verdict(run) -> tuple[str | None, Path | None]:
     folder = run.step_dir("compare")
     summary = read_json(folder / SUMMARY)
     reports = sorted(folder.rglob("report.html")) or sorted(folder.rglob("report.md")) or [folder / SUMMARY]
-    return summary.get("verdict"), reports[0]
+    return summary.get("verdict"), store_url(load_site().report_url, run.store.root, reports[0]) or str(reports[0])
 
 
 def _finish(run_id: str, root: Path, state) -> int:
