@@ -204,7 +204,8 @@ class SelfcheckReport:
         """One line per problem: each load error naming its keys, or each output outside tolerance per pair."""
         if self.load_errors:
             return self.load_errors
-        return [f"{p.name}: {o.name}: max rel {o.max_rel:.3e}" + ("" if o.cosine is None else f", cosine {o.cosine:.8f}")
+        return [f"{p.name}: {o.name}: max rel {o.max_rel:.3e}"
+                + ("" if o.cosine is None else f", cosine {o.cosine:.8f}")
                 + f" ({o.limit})" for p in self.pairs for o in p.checks if not o.passed]
 
 

@@ -145,13 +145,16 @@ def stock_builders(version):
         module.get_gpt_decoder_layer_specs = lambda config, **kwargs: ["stock standard layer"]
 
         def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None):
-            block = module.get_transformer_block_with_experimental_attention_variant_spec(config=config, vp_stage=vp_stage)
-            return block, module.get_gpt_decoder_layer_specs(config, use_transformer_engine=False, vp_stage=vp_stage)[-1]
+            block = module.get_transformer_block_with_experimental_attention_variant_spec(config=config,
+                                                                                          vp_stage=vp_stage)
+            layers = module.get_gpt_decoder_layer_specs(config, use_transformer_engine=False, vp_stage=vp_stage)
+            return block, layers[-1]
     else:
         module.get_transformer_layer_with_experimental_attention_variant_spec = lambda config: ["stock layer"]
 
         def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None):
-            block = module.get_transformer_block_with_experimental_attention_variant_spec(config=config, vp_stage=vp_stage)
+            block = module.get_transformer_block_with_experimental_attention_variant_spec(config=config,
+                                                                                          vp_stage=vp_stage)
             return block, module.get_transformer_layer_with_experimental_attention_variant_spec(config=config)[-1]
     module.gpt_builder = gpt_builder
     return module
@@ -302,7 +305,8 @@ def test_backend_runs_the_alignment_step_only(tmp_path):
                            data=DatasetFiles(tmp_path / "corpus", tmp_path / "tokenizer.json"), output_dir=tmp_path)
     with pytest.raises(ValueError, match="mode 'base' is not supported"):
         LocalMegatronBackend().train(request)
-    other = config.model_copy(update={"training": config.training.model_copy(update={"megatron_core_version": "0.17.0"})})
+    newer = config.training.model_copy(update={"megatron_core_version": "0.17.0"})
+    other = config.model_copy(update={"training": newer})
     request = TrainRequest(config=other, side="megatron", mode="align", init_checkpoint=tmp_path / "checkpoint",
                            data=DatasetFiles(tmp_path / "corpus", tmp_path / "tokenizer.json"), output_dir=tmp_path)
     with pytest.raises(ValueError, match="megatron_core_version is 0.17.0, but the embedded GPU side is the installed "
@@ -314,7 +318,8 @@ def test_the_orchestrating_process_never_loads_megatron_core():
     """Picking the GPU backend (what the flow does) imports neither megatron-core nor its CPU workarounds."""
     import subprocess
 
-    code = ("import sys; from crossalign.site import SiteConfig; from crossalign.tasks.backends import training_backend; "
+    code = ("import sys; from crossalign.site import SiteConfig; "
+            "from crossalign.tasks.backends import training_backend; "
             "backend = training_backend('gpu', SiteConfig()); "
             "print(backend.name, 'megatron.core' in sys.modules, 'crossalign.backends.local.mcore_cpu' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

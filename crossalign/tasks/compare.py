@@ -26,7 +26,8 @@ def compare(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
     gpu_log = run.step_dir("megatron-train") / gpu.get("details", {}).get("log", "train.log")
     with run.commit(STEP, command=step_command(run, STEP)) as out:
         options = options_from_config(run.config, log_interval=DAG_LOG_INTERVAL)
-        implementations = {side: manifest["details"]["implementation"] for side, manifest in (("npu", npu), ("gpu", gpu))
+        implementations = {side: manifest["details"]["implementation"]
+                           for side, manifest in (("npu", npu), ("gpu", gpu))
                            if manifest.get("details", {}).get("implementation")}
         summary = compare_logs(npu_log, gpu_log, out.dir, options, implementations=implementations)
         data = summary.to_dict()

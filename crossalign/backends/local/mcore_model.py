@@ -175,7 +175,7 @@ def forward(net, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch
     position_ids, causal = positions_and_mask(input_ids)
     logits = []
     # cloned: the vocab-parallel cross entropy works on the logits in place
-    hook = net.output_layer.register_forward_hook(lambda module, args, output: logits.append(output[0].detach().clone()))
+    hook = net.output_layer.register_forward_hook(lambda module, args, out: logits.append(out[0].detach().clone()))
     clear_aux_losses_tracker()
     if "values" in MTPLossLoggingHelper.tracker:
         MTPLossLoggingHelper.clean_loss_in_tracker()

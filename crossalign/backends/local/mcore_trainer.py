@@ -148,7 +148,8 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
     started = time.perf_counter()
     threads, was_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(TRAINING_THREADS)
-    torch.use_deterministic_algorithms(True)  # what --deterministic-mode sets (megatron/training/arguments.py:1081, core_v0.16.1)
+    # what --deterministic-mode sets (megatron/training/arguments.py:1081, core_v0.16.1)
+    torch.use_deterministic_algorithms(True)
     try:
         with request.log_path.open("w", encoding="utf-8") as log, megatron_core_on_cpu(training.seed):
             def emit(text: str) -> None:
