@@ -1,4 +1,5 @@
-"""Start a machine's Prefect worker: make sure its pool exists, then become a process worker of it.
+"""Start a machine's Prefect worker: make sure its pool exists, then run a process worker of it as
+the agent's child (so that the agent can bound how long stopping takes).
 
 The worker gets the site's store and site file through its environment (``CROSSALIGN_STORE``,
 ``CROSSALIGN_SITE``, absolute paths), and every flow run it starts inherits them, whatever its
