@@ -151,3 +151,24 @@ def test_cli_imports_the_config_and_converts(hf_checkpoints, tmp_path):
     assert read_mindformers_checkpoint(tmp_path / "ms").iteration == 0
     listing = runner.invoke(app, ["configs"])  # the bare group still lists the shipped configs
     assert listing.exit_code == 0 and "GGGA" in listing.output
+
+
+def test_a_vision_language_release_layout_imports_like_the_text_model(hf_checkpoints, tmp_path):
+    """Released Qwen3.5 checkpoints: text model under model.language_model., a vision tower, config in text_config."""
+    from safetensors.torch import save_file
+
+    text = _tensors(hf_checkpoints["dense"])
+    release = tmp_path / "release"
+    release.mkdir()
+    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in text.items()}
+    save_file({**renamed, "model.visual.patch_embed.proj.weight": torch.zeros(2, 3)}, str(release / "model.safetensors"))
+    config = json.loads((hf_checkpoints["dense"] / "config.json").read_text())
+    (release / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": config,
+                                                     "vision_config": {"depth": 1}}))
+    source = read_hf_checkpoint(release)
+    assert source.root == "model.language_model." and source.skipped == ["model.visual.patch_embed.proj.weight"]
+    model = CONFIGS["dense"]
+    convert_checkpoint(model, "hf2ms", release, tmp_path / "from_release")
+    convert_checkpoint(model, "hf2ms", hf_checkpoints["dense"], tmp_path / "from_text")
+    assert _same(read_mindformers_checkpoint(tmp_path / "from_release").model_state(),
+                 read_mindformers_checkpoint(tmp_path / "from_text").model_state())
