@@ -35,8 +35,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "qwen35_dense_tiny"
-SHORT = ["training.base_train_iters=3", "training.train_iters=5", "training.seq_length=64",
-         "training.global_batch_size=2", "training.micro_batch_size=2"]
+# warmup below train_iters: Megatron's lr scheduler asserts lr_warmup_steps < lr_decay_steps (= train_iters)
+SHORT = ["training.base_train_iters=3", "training.train_iters=5", "training.lr_warmup_iters=2",
+         "training.seq_length=64", "training.global_batch_size=2", "training.micro_batch_size=2"]
 TARGET_S = 5.0
 
 
