@@ -159,7 +159,7 @@ class CudaLiteralsToCpu(TorchFunctionMode):
 
     megatron-core's optimizer and training helpers create small tensors on ``'cuda'`` by name
     (FP32Optimizer's loss scale, the grad-norm and zero-count reductions, the schedule's token
-    total). It costs some Python per torch call (about 15% of a tiny MoE step), so the trainer
+    total). It costs some Python per torch call (a tiny MoE step: 235 ms inside it, 170 ms not), so the trainer
     enters it around the schedule and the optimizer step and turns it off inside the model's
     forward, which needs none of it.
     """
