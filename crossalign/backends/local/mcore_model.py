@@ -4,9 +4,10 @@ The TransformerConfig is what ``pretrain_gpt.py`` makes of the arguments ``backe
 generates from the same config (each field names its flag), except the two CPU settings of
 ``mcore_cpu``: deterministic mode and the allgather dispatcher. The layer specs come from the
 functions of ``patches/megatron/pretrain_qwen35.py``, the GPU launcher that builds the real
-run's model with them, here with megatron-core's local modules. A converted (TE-layout) checkpoint is renamed by
-``checkpoint/te_local.py`` and loaded with ``strict=True``; a key that is missing, unexpected
-or misshaped is an error naming it, never Megatron's silent non-strict retry.
+run's model with them, here with megatron-core's local modules. A converted (TE-layout)
+checkpoint is renamed by ``checkpoint/te_local.py`` and loaded with ``strict=True``; a key that
+is missing, unexpected or misshaped is an error naming it, never Megatron's silent non-strict
+retry.
 
 Everything here runs inside :func:`crossalign.backends.local.mcore_cpu.megatron_core_on_cpu`.
 """
