@@ -128,13 +128,14 @@ def test_failed_verdict_exits_1_without_retry_and_reruns_only_compare(embedded, 
         failed = subprocess.run([CROSSALIGN, "rerun", "k1", "--step", "compare", "--store", str(run.store.root),
                                  "--retry-delay", "1"], env={**embedded["env"], "PREFECT_API_URL": prefect_server.api_url},
                                 cwd=embedded["root"], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        after = {step: run.manifest(step) for step in STEP_NAMES}
     finally:
         gpu_log.write_text(original)
         manifest_path.write_text(original_manifest)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "verdict: fail" in failed.stdout
     for step in STEP_NAMES[:-1]:
-        assert run.manifest(step) == before[step], f"{step} must be skipped"
+        assert after[step] == before[step], f"{step} must be skipped"
     assert run.manifest("compare")["details"]["verdict"] == "fail"
     assert (run.path / "logs" / "compare.log").read_text().count("step compare done") == 2, "no retry of a verdict"
 
