@@ -324,3 +324,17 @@ def test_the_orchestrating_process_never_loads_megatron_core():
             "print(backend.name, 'megatron.core' in sys.modules, 'crossalign.backends.local.mcore_cpu' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["local-megatron", "False", "False"], done.stderr
+
+
+def test_the_te_path_of_the_layer_specs_calls_helpers_this_megatron_core_has():
+    """The TE branch cannot be built without TransformerEngine; every upstream helper it calls must exist here
+    (core 0.16.1; core_v0.17.0 .. core_v0.19.0 have the same names in experimental_attention_variant_module_specs)."""
+    import inspect
+    import re
+
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as hybrid
+
+    called = set(re.findall(r"hybrid\.(\w+)\(", inspect.getsource(load_launcher())))
+    assert {"get_gated_delta_net_module_spec", "_get_self_attention_module_spec", "_get_moe_module_spec",
+            "_get_dense_mlp_module_spec"} <= called
+    assert [name for name in called if not hasattr(hybrid, name)] == []
