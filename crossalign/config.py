@@ -202,6 +202,11 @@ class TrainingConfig(_Strict):
         parts = self.split.split(",")
         if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
             raise ValueError(f"split: {self.split!r} is not three comma-separated weights like '1,0,0'")
+        if self.lr_warmup_iters >= self.train_iters:
+            # Megatron's scheduler asserts lr_warmup_steps < lr_decay_steps (core_v0.16.1
+            # megatron/core/optimizer_param_scheduler.py:157); decay steps default to train_iters
+            raise ValueError(f"lr_warmup_iters: {self.lr_warmup_iters} is not below train_iters {self.train_iters} "
+                             "(Megatron's OptimizerParamScheduler asserts warmup < decay steps)")
         return self
 
     @property
@@ -275,6 +280,10 @@ def _format_validation_error(origin: str, error: ValidationError) -> str:
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field"
+        field, sep, why = message.partition(": ")
+        if item["type"] == "value_error" and sep and field.isidentifier():
+            # a section's own check names its field first: "training" + "lr_warmup_iters: ..." reads as one path
+            location, message = ".".join(filter(None, [location, field])), why
         lines.append(f"  {location}: {message}" if location else f"  {message}")
     return "\n".join(lines)
 

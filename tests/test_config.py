@@ -64,3 +64,9 @@ def test_nonzero_dropout_is_refused(tmp_path):
 def test_missing_file_lists_known_configs():
     with pytest.raises(ConfigError, match=r"qwen35_dense_tiny"):
         load_config("no_such_model")
+
+
+def test_warmup_as_long_as_the_run_is_refused_before_any_step(tmp_path):
+    path = _tiny_with(tmp_path, "  train_iters: 50\n", "  train_iters: 5\n")
+    with pytest.raises(ConfigError, match=r"training\.lr_warmup_iters: 5 is not below train_iters 5"):
+        load_config(path)
