@@ -91,8 +91,9 @@ def test_log_lines_are_megatron_lines_with_the_iteration_two_mean(tmp_path):
     assert printed_lm[1] != pytest.approx(true_lm[1], rel=1e-7)
 
 
-def test_core_015_resets_after_the_first_iteration(tmp_path):
-    config = config_with("qwen35_dense_tiny", train_iters=2, megatron_core_version="0.15.0")
+@pytest.mark.parametrize("core", ["0.15.0", "0.20.0"])  # before the iteration-2 mean, and after its fix
+def test_cores_without_the_iteration_two_mean_reset_after_the_first_iteration(tmp_path, core):
+    config = config_with("qwen35_dense_tiny", train_iters=2, megatron_core_version=core)
     lines, metrics = train(tmp_path, config, random_batches(config, 2))
     found = iteration_lines(lines)
     assert [float(m["lm"]) for m in found] == pytest.approx([v["lm_loss"] for v in metrics], rel=2e-6)

@@ -26,6 +26,7 @@ import torch
 
 from crossalign.backends.base import TrainRequest, TrainResult
 from crossalign.config import TrainingConfig
+from crossalign.logs.formats import megatron_prints_loss, megatron_resets_after_first_line
 
 
 # The embedded trainers run side by side (DAG steps 4 and 5) on small shared CPU machines, where
@@ -47,20 +48,6 @@ def megatron_lr(training: TrainingConfig, iteration: int) -> float:
     if warmup > 0 and done <= warmup:
         return training.lr_warmup_init + (training.lr - training.lr_warmup_init) * done / warmup
     return training.lr  # lr_decay_style is constant (the only style the config allows)
-
-
-def keeps_first_iteration_accumulators(core_version: str) -> bool:
-    """From megatron-core 0.16 ``training_log`` does not reset its sums after the first iteration."""
-    from crossalign.checkpoint.layout import core_version_tuple
-
-    return core_version_tuple(core_version) >= (0, 16)
-
-
-def prints_zero_losses(core_version: str) -> bool:
-    """Megatron prints a loss only if its average is > 0 up to core 0.16, >= 0 from 0.17."""
-    from crossalign.checkpoint.layout import core_version_tuple
-
-    return core_version_tuple(core_version) >= (0, 17)
 
 
 @dataclass
@@ -96,10 +83,9 @@ class MegatronLogLines:
         text += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
         text += f" learning rate: {stats.learning_rate:.6E} |"
         text += f" global batch size: {self.global_batch_size:5d} |"
-        zero_ok = prints_zero_losses(self.core_version)
         for key, total in self.sums.items():
             average = total / count
-            if average > 0.0 or (zero_ok and average >= 0.0):
+            if megatron_prints_loss(average, self.core_version):
                 text += f" {key}: {average:.6E} |"
         text += " loss scale: 1.0 |"
         text += f" grad norm: {stats.grad_norm:.3f} |"
@@ -107,7 +93,7 @@ class MegatronLogLines:
         text += f" number of nan iterations: {0:3d} |"
 
         first_of_process = iteration == 1
-        if not (first_of_process and keeps_first_iteration_accumulators(self.core_version)):
+        if not first_of_process or megatron_resets_after_first_line(self.core_version, iteration, log_interval=1):
             self.sums = {key: 0.0 for key in self.sums}
             self.iterations_since_reset = 0
             self.interval_start = time.perf_counter()
