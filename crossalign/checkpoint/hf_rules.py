@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 
 from crossalign.checkpoint.layout import Shape, mtp_layer_prefix
-from crossalign.checkpoint.rules import Fuse, OneToOne, PlacedRule, Rename, Rule, Tensors
+from crossalign.checkpoint.rules import Fuse, ManyToOne, OneToOne, PlacedRule, Rename, Rule, Tensors
 from crossalign.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -63,22 +63,12 @@ class ShiftNorm(OneToOne):
 
 
 @dataclass(frozen=True)
-class GatedQKV(Rule):
+class GatedQKV(ManyToOne):
     """HF q_proj (rows per head [q_h | gate_h]), k_proj, v_proj -> Megatron linear_qkv (per group [q | gate | k | v])."""
 
-    parts: tuple[str, str, str]
-    target: str
     groups: int
     heads_per_group: int
     head_dim: int
-
-    @property
-    def ms(self) -> tuple[str, ...]:
-        return self.parts
-
-    @property
-    def mg(self) -> tuple[str, ...]:
-        return (self.target,)
 
     def forward(self, tensors: Tensors) -> Tensors:
         q_proj, k_proj, v_proj = tensors

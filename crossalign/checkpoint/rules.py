@@ -69,12 +69,11 @@ def Copy(name: str) -> Rename:  # noqa: N802 - reads as a table row, like the cl
 
 
 @dataclass(frozen=True)
-class Fuse(Rule):
-    """Several MindSpore projections stacked on rows into one Megatron projection, in the given order."""
+class ManyToOne(Rule):
+    """A rule from several source tensors (``parts``, in order) to one Megatron tensor."""
 
     parts: tuple[str, ...]
     target: str
-    sizes: tuple[int, ...]
 
     @property
     def ms(self) -> tuple[str, ...]:
@@ -83,6 +82,13 @@ class Fuse(Rule):
     @property
     def mg(self) -> tuple[str, ...]:
         return (self.target,)
+
+
+@dataclass(frozen=True)
+class Fuse(ManyToOne):
+    """Several MindSpore projections stacked on rows into one Megatron projection, in the given order."""
+
+    sizes: tuple[int, ...]
 
     def forward(self, tensors: Tensors) -> Tensors:
         return [torch.cat(tensors, dim=0)]
