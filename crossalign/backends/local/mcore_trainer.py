@@ -20,6 +20,7 @@ the step's training process.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from functools import partial
 from pathlib import Path
@@ -30,8 +31,9 @@ import torch
 
 from crossalign.backends.base import TrainRequest, TrainResult
 from crossalign.backends.local.mcore_model import IMPLEMENTATION
-from crossalign.backends.local.torch_trainer import (TRAINING_THREADS, IterationStats, MegatronLogLines, TrainingError,
-                                                     _datetime_line, _step_metrics, megatron_lr)
+from crossalign.backends.local.torch_trainer import (IterationStats, MegatronLogLines, TrainingError, _datetime_line,
+                                                     _step_metrics, deterministic_training_threads, emit_setup_done,
+                                                     megatron_log, megatron_lr)
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -60,8 +62,9 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
 
-    from crossalign.backends.local.mcore_cpu import CudaLiteralsToCpu
+    from crossalign.backends.local.mcore_cpu import CpuTensorTypesAsCuda, CudaLiteralsToCpu
     from crossalign.backends.local.mcore_model import build_gpt_model, load_converted_state
 
     config, training = request.config, request.config.training
@@ -69,15 +72,21 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
         raise ValueError(f"training.lr_warmup_iters {training.lr_warmup_iters} must be below training.train_iters "
                          f"{request.iterations}: Megatron's OptimizerParamScheduler asserts lr_warmup_steps < "
                          "lr_decay_steps, and --lr-decay-iters defaults to --train-iters")
-    net = build_gpt_model(config.model, training)
+    bf16 = training.embedded_precision == "bf16"
+    net = build_gpt_model(config.model, training, bf16=bf16)
     load_converted_state(net, state, config.model, training.megatron_core_version)
-    ddp = DistributedDataParallel(config=net.config, module=net,
+    # --bf16: get_model wraps the model in Float16Module (every parameter bf16, the forward in bf16) and
+    # get_megatron_optimizer keeps fp32 main copies of them (Float16OptimizerWithFloat16Params)
+    module = Float16Module(net.config, net) if bf16 else net
+    ddp = DistributedDataParallel(config=net.config, module=module,
                                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    with CudaLiteralsToCpu():  # FP32Optimizer keeps its loss scale on 'cuda'
+    # the optimizers keep their loss scale on 'cuda'; the bf16 one accepts only CUDA tensor type names
+    with CudaLiteralsToCpu(), CpuTensorTypesAsCuda() if bf16 else contextlib.nullcontext():
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
             adam_beta1=training.adam_beta1, adam_beta2=training.adam_beta2, adam_eps=training.adam_eps,
-            clip_grad=training.clip_grad, bf16=False, fp16=False, params_dtype=torch.float32), [ddp])
+            clip_grad=training.clip_grad, bf16=bf16, fp16=False,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32), [ddp])
     samples = request.iterations * training.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=training.lr_warmup_init, max_lr=training.lr, min_lr=training.min_lr,
@@ -147,46 +156,27 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
         raise ValueError(f"{request.data.prefix}: {len(batches)} global batches for {total} iterations")
     request.output_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    threads, was_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    torch.set_num_threads(TRAINING_THREADS)
-    # what --deterministic-mode sets (megatron/training/arguments.py:1081, core_v0.16.1)
-    torch.use_deterministic_algorithms(True)
-    try:
-        with request.log_path.open("w", encoding="utf-8") as log, megatron_core_on_cpu(training.seed):
-            def emit(text: str) -> None:
-                log.write(text + "\n")
-                log.flush()
-
-            emit("using world size: 1, data-parallel size: 1, context-parallel size: 1, "
-                 "hierarchical context-parallel sizes: None, tensor-model-parallel size: 1, "
-                 "pipeline-model-parallel size: 1")
-            emit(f"> setting random seeds to {training.seed} ...")
-            emit(f"building GPT model ... ({IMPLEMENTATION}, local modules on CPU)")
-            emit(f" loading checkpoint from {request.init_checkpoint} at iteration {checkpoint_iteration}")
-            ddp, optimizer, scheduler = _build(request, state)
-            emit(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
-                 f"{sum(p.numel() for p in ddp.module.parameters())}")
-            emit(f"  successfully loaded checkpoint from {request.init_checkpoint} [ t 1/1, p 1/1 ] at iteration 0")
-            emit(_datetime_line("after model, optimizer, and learning rate scheduler are built"))
-            emit(_datetime_line("after dataloaders are built"))
-            emit("done with setup ...")
-            emit("training ...")
-            emit(_datetime_line("before the start of training step"))
-            lines = MegatronLogLines(total, training.global_batch_size, training.megatron_core_version)
-            ddp.train()
-            for iteration in range(1, total + 1):
-                stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request)
-                emit(lines.line(iteration, stats))
-                if request.on_step is not None:
-                    request.on_step(iteration, total, _step_metrics(stats, megatron_lr(training, iteration)))
-            emit(_datetime_line("after training is done"))
-            if request.save:
-                save_checkpoint(ddp.module, request, total)
-                emit(f"  successfully saved checkpoint from iteration {total:7d} to {request.checkpoint_dir} "
-                     "[ t 1/1, p 1/1 ]")
-    finally:
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(was_deterministic)
+    with (deterministic_training_threads(), megatron_log(request.log_path, training.seed) as emit,
+          megatron_core_on_cpu(training.seed)):
+        emit(f"building GPT model ... ({IMPLEMENTATION}, local modules on CPU)")
+        emit(f" loading checkpoint from {request.init_checkpoint} at iteration {checkpoint_iteration}")
+        ddp, optimizer, scheduler = _build(request, state)
+        emit(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
+             f"{sum(p.numel() for p in ddp.module.parameters())}")
+        emit(f"  successfully loaded checkpoint from {request.init_checkpoint} [ t 1/1, p 1/1 ] at iteration 0")
+        emit_setup_done(emit, total * training.global_batch_size)
+        lines = MegatronLogLines(total, training.global_batch_size, training.megatron_core_version)
+        ddp.train()
+        for iteration in range(1, total + 1):
+            stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request)
+            emit(lines.line(iteration, stats))
+            if request.on_step is not None:
+                request.on_step(iteration, total, _step_metrics(stats, megatron_lr(training, iteration)))
+        emit(_datetime_line("after training is done"))
+        if request.save:
+            save_checkpoint(ddp.module, request, total)
+            emit(f"  successfully saved checkpoint from iteration {total:7d} to {request.checkpoint_dir} "
+                 "[ t 1/1, p 1/1 ]")
     return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
                        iterations=total, seconds=time.perf_counter() - started)
 

@@ -17,9 +17,11 @@ with log interval 1 the second line holds the mean of iterations 1 and 2.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Mapping, Sequence
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -104,6 +106,51 @@ def _datetime_line(what: str) -> str:
     return f"[{what}] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} "
 
 
+@contextmanager
+def deterministic_training_threads() -> Iterator[None]:
+    """What a training step runs under: ``TRAINING_THREADS`` threads and deterministic algorithms (as
+    Megatron's --deterministic-mode sets them, megatron/training/arguments.py:1081, core_v0.16.1),
+    the process's own settings restored afterwards."""
+    threads, was_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(TRAINING_THREADS)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(was_deterministic)
+
+
+@contextmanager
+def megatron_log(path: Path, seed: int) -> Iterator[Callable[[str], None]]:
+    """The Megatron log file, opened with the lines a one-rank run prints first; yields ``emit(line)``."""
+    with path.open("w", encoding="utf-8") as log:
+        def emit(text: str) -> None:
+            log.write(text + "\n")
+            log.flush()
+
+        emit("using world size: 1, data-parallel size: 1, context-parallel size: 1, "
+             "hierarchical context-parallel sizes: None, tensor-model-parallel size: 1, "
+             "pipeline-model-parallel size: 1")
+        emit(f"> setting random seeds to {seed} ...")
+        yield emit
+
+
+def emit_setup_done(emit: Callable[[str], None], train_samples: int) -> None:
+    """The lines Megatron prints between building the optimizer and the first iteration."""
+    emit(_datetime_line("after model, optimizer, and learning rate scheduler are built"))
+    emit("> building train, validation, and test datasets ...")
+    emit(" > datasets target sizes (minimum size):")
+    emit(f"    train:      {train_samples}")
+    emit("    validation: 0")
+    emit("    test:       0")
+    emit("> finished creating GPT datasets ...")
+    emit(_datetime_line("after dataloaders are built"))
+    emit("done with setup ...")
+    emit("training ...")
+    emit(_datetime_line("before the start of training step"))
+
+
 def _optimizer(net: torch.nn.Module, training: TrainingConfig) -> torch.optim.AdamW:
     """AdamW with bias correction; Megatron's wd_mult is 0 for every 1-D parameter and every bias."""
     decay, no_decay = [], []
@@ -133,53 +180,28 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
 
     request.output_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    was_deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(TRAINING_THREADS)
-    try:
-        with request.log_path.open("w", encoding="utf-8") as log:
-            def emit(text: str) -> None:
-                log.write(text + "\n")
-                log.flush()
+    with deterministic_training_threads(), megatron_log(request.log_path, training.seed) as emit:
+        torch.manual_seed(training.seed)
+        emit("building GPT model ...")
+        net = Qwen35Model(model_config, training.megatron_core_version)
+        emit(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
+             f"{sum(p.numel() for p in net.parameters())}")
+        load_dir = request.init_checkpoint
+        emit(f" loading checkpoint from {load_dir} at iteration {checkpoint_iteration}")
+        load_megatron_state(net, state)
+        emit(f"  successfully loaded checkpoint from {load_dir} [ t 1/1, p 1/1 ] at iteration 0")
+        optimizer = _optimizer(net, training)
+        emit_setup_done(emit, total * training.global_batch_size)
 
-            emit("using world size: 1, data-parallel size: 1, context-parallel size: 1, "
-                 "hierarchical context-parallel sizes: None, tensor-model-parallel size: 1, "
-                 "pipeline-model-parallel size: 1")
-            emit(f"> setting random seeds to {training.seed} ...")
-            torch.manual_seed(training.seed)
-            emit("building GPT model ...")
-            net = Qwen35Model(model_config, training.megatron_core_version)
-            emit(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
-                 f"{sum(p.numel() for p in net.parameters())}")
-            load_dir = request.init_checkpoint
-            emit(f" loading checkpoint from {load_dir} at iteration {checkpoint_iteration}")
-            load_megatron_state(net, state)
-            emit(f"  successfully loaded checkpoint from {load_dir} [ t 1/1, p 1/1 ] at iteration 0")
-            optimizer = _optimizer(net, training)
-            emit(_datetime_line("after model, optimizer, and learning rate scheduler are built"))
-            emit("> building train, validation, and test datasets ...")
-            emit(" > datasets target sizes (minimum size):")
-            emit(f"    train:      {total * training.global_batch_size}")
-            emit("    validation: 0")
-            emit("    test:       0")
-            emit("> finished creating GPT datasets ...")
-            emit(_datetime_line("after dataloaders are built"))
-            emit("done with setup ...")
-            emit("training ...")
-            emit(_datetime_line("before the start of training step"))
-
-            lines = MegatronLogLines(total, training.global_batch_size, training.megatron_core_version)
-            net.train()
-            for iteration in range(1, total + 1):
-                stats = _train_step(net, optimizer, batches[iteration - 1], iteration, training,
-                                    micro, num_micro, mtp_scale, logs_aux, moe_layer_count)
-                emit(lines.line(iteration, stats))
-                if request.on_step is not None:
-                    request.on_step(iteration, total, _step_metrics(stats, megatron_lr(training, iteration)))
-            emit(_datetime_line("after training is done"))
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic)
-        torch.set_num_threads(threads)
+        lines = MegatronLogLines(total, training.global_batch_size, training.megatron_core_version)
+        net.train()
+        for iteration in range(1, total + 1):
+            stats = _train_step(net, optimizer, batches[iteration - 1], iteration, training,
+                                micro, num_micro, mtp_scale, logs_aux, moe_layer_count)
+            emit(lines.line(iteration, stats))
+            if request.on_step is not None:
+                request.on_step(iteration, total, _step_metrics(stats, megatron_lr(training, iteration)))
+        emit(_datetime_line("after training is done"))
     return TrainResult(log_path=request.log_path, checkpoint_dir=None, iterations=total,
                        seconds=time.perf_counter() - started)
 
