@@ -191,6 +191,11 @@ class TrainingConfig(_Strict):
     split: str = "1,0,0"
     dataloader_type: Literal["single", "cyclic"] = "single"
     bf16: bool = True
+    embedded_precision: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="the embedded megatron-train step: bf16 computes in bf16 with fp32 master weights, as "
+                    "Megatron's --bf16; the embedded MindSpore side always computes in fp32 (MindSpore's CPU "
+                    "kernels have no bf16 MatMul)")
     deterministic: bool = True
     megatron_core_version: str = Field(default="0.16.1", description="decides the MTP key prefix and log semantics")
 

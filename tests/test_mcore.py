@@ -226,6 +226,35 @@ def test_megatron_core_trains_as_the_reference_trainer(tmp_path):
     assert not torch.equal(saved.state["output_layer.weight"], mg["output_layer.weight"])
 
 
+def test_bf16_computes_in_bf16_and_updates_fp32_main_weights(tmp_path):
+    """training.embedded_precision bf16 is megatron-core's --bf16 on CPU: Float16Module and the fp32-main optimizer."""
+    from test_torch_trainer import config_with
+
+    model = load_config("qwen35_dense_tiny").model
+    mg = {key: value.to(torch.bfloat16)
+          for key, value in mindformers_to_megatron(random_mindformers_state(model, seed=5), model).items()}
+    tokens = np.random.default_rng(1).integers(0, model.vocab_size, (2, 2, 33), dtype=np.int64)
+    losses, saved = {}, {}
+    for precision in ("fp32", "bf16"):
+        config = config_with("qwen35_dense_tiny", train_iters=2, lr_warmup_iters=0, seq_length=32,
+                             global_batch_size=2, micro_batch_size=1, embedded_precision=precision)
+        metrics = []
+        request = TrainRequest(config=config, side="megatron", mode="align",
+                               data=DatasetFiles(tmp_path / "data", tmp_path / "tokenizer.json"),
+                               output_dir=tmp_path / precision, init_checkpoint=tmp_path / "checkpoint", save=True,
+                               on_step=lambda step, total, values: metrics.append(values["lm_loss"]))
+        result = mcore_trainer.run_training(request, mg, 1, tokens)
+        losses[precision] = metrics
+        saved[precision] = read_megatron_checkpoint(result.checkpoint_dir, config.model).state
+    # the same bf16-exact weights: iteration 1 differs only by bf16 arithmetic, which is small but not nothing
+    assert losses["bf16"][0] != losses["fp32"][0]
+    assert losses["bf16"][0] == pytest.approx(losses["fp32"][0], rel=1e-2)
+    # the model (and its checkpoint) is bf16; Adam updated fp32 main weights and the step reached the model
+    assert {value.dtype for value in saved["bf16"].values()} == {torch.bfloat16}
+    assert {value.dtype for value in saved["fp32"].values()} == {torch.float32}
+    assert not torch.equal(saved["bf16"]["output_layer.weight"], mg["output_layer.weight"])
+
+
 def test_megatron_core_refuses_a_warmup_that_megatron_asserts_on(tmp_path):
     config = load_config("qwen35_dense_tiny")
     config = config.model_copy(update={"training": config.training.model_copy(update=dict(train_iters=5))})

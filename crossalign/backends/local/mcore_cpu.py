@@ -22,6 +22,7 @@ the softmax builds it with ``get_default_causal_mask``, which hard-codes ``devic
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -56,8 +57,6 @@ class Workaround:
         return f"{self.module}.{self.attribute}"
 
     def target(self):
-        import importlib
-
         return importlib.import_module(self.module)
 
 
@@ -172,6 +171,28 @@ class CudaLiteralsToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class CpuTensorTypesAsCuda(TorchFunctionMode):
+    """Answers ``Tensor.type()`` with the CUDA type name of a CPU tensor (``torch.BFloat16Tensor`` ->
+    ``torch.cuda.BFloat16Tensor``).
+
+    The ``--bf16`` optimizer, ``Float16OptimizerWithFloat16Params``, sorts the parameters by
+    ``param.type()`` into bf16 ones (each given an fp32 main copy, which Adam updates) and fp32
+    ones, and raises TypeError for any name but the three CUDA ones. Its step needs nothing more
+    than :class:`CudaLiteralsToCpu`; the trainer enters this mode only while it builds that optimizer.
+    """
+
+    # core_v0.16.1 megatron/core/optimizer/optimizer.py:671
+    UPSTREAM = ("megatron.core.optimizer.optimizer",
+                "param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and out.startswith("torch.") \
+                and not out.startswith("torch.cuda."):
+            return "torch.cuda." + out[len("torch."):]
+        return out
+
+
 def installed_versions() -> dict[str, str]:
     from importlib.metadata import version
 
@@ -196,6 +217,10 @@ def self_test(workarounds: tuple[Workaround, ...] = WORKAROUNDS,
             if workaround.upstream not in source:
                 problems.append(f"{workaround.name}: {workaround.upstream!r} is no longer in {module.__name__} "
                                 f"(the workaround was for: {workaround.reason})")
+    module, upstream = CpuTensorTypesAsCuda.UPSTREAM
+    if upstream not in inspect.getsource(importlib.import_module(module)):
+        problems.append(f"CpuTensorTypesAsCuda: {upstream!r} is no longer in {module} (the mode was for: the bf16 "
+                        "optimizer accepting only CUDA tensor type names)")
     if problems:
         raise MegatronCpuError("megatron-core on CPU: " + "; ".join(problems))
 
