@@ -81,6 +81,14 @@ def test_the_self_test_names_what_an_upgrade_changed():
         mcore_cpu.self_test((), {"megatron-core": ("0.15.0",), "torch": mcore_cpu.CHECKED_VERSIONS["torch"]})
 
 
+def test_the_self_test_names_a_bf16_optimizer_that_no_longer_sorts_by_cuda_type_names(monkeypatch):
+    monkeypatch.setattr(mcore_cpu.CpuTensorTypesAsCuda, "UPSTREAM",
+                        ("megatron.core.optimizer.optimizer", "param.type() in ['torch.BFloat16Tensor']"))
+    with pytest.raises(mcore_cpu.MegatronCpuError, match="CpuTensorTypesAsCuda: .* no longer in "
+                                                         "megatron.core.optimizer.optimizer"):
+        mcore_cpu.self_test(())
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_name_map_is_invertible_and_gives_megatron_cores_own_keys(name, converted):
     config, state, _, _ = converted(name)
