@@ -277,7 +277,8 @@ def test_the_report_names_what_trained_each_side(tmp_path):
     from crossalign.report.compare import CompareOptions, compare_logs
 
     fixtures = Path(__file__).parent / "fixtures" / "logs"
-    ran = {"npu": "crossalign's MindSpore Qwen3.5", "gpu": mcore_trainer.LocalMegatronBackend().implementation}
+    config = load_config("qwen35_dense_tiny")
+    ran = {"npu": "crossalign's MindSpore Qwen3.5", "gpu": mcore_trainer.LocalMegatronBackend().implementation(config)}
     summary = compare_logs(fixtures / "mindformers_pynative.log", fixtures / "megatron_0.16_noise.log", tmp_path,
                            CompareOptions(plot=False), implementations=ran)
     assert summary.to_dict()["inputs"]["gpu"]["implementation"].startswith("megatron-core 0.16.1")
@@ -331,7 +332,10 @@ def test_backend_trains_from_a_bf16_megatron_checkpoint_on_the_megatron_sample_o
     tokens = torch.as_tensor(batches_for("megatron", config.training, prefix)[0])
     _, lm_loss, _, _ = net(tokens[:, :-1], tokens[:, 1:], torch.ones(4, config.training.seq_length))
     assert metrics[0][2]["lm_loss"] == pytest.approx(lm_loss.item(), rel=1e-6)
-    assert LocalMegatronBackend().implementation.startswith("megatron-core 0.16.1")
+    assert LocalMegatronBackend().implementation(config).startswith("megatron-core 0.16.1")
+    assert LocalMegatronBackend().implementation(config).endswith("on CPU, fp32)")
+    bf16 = config.model_copy(update={"training": config.training.model_copy(update={"embedded_precision": "bf16"})})
+    assert LocalMegatronBackend().implementation(bf16).endswith("on CPU, bf16 on fp32 main weights)")
 
 
 def test_backend_runs_the_alignment_step_only(tmp_path):

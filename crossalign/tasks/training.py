@@ -20,7 +20,8 @@ def train_step(run: Run, step: str, *, pool: TrainingPool, side: Side, mode: Mod
                                init_checkpoint=init_checkpoint, save=save, on_step=on_step,
                                published_dir=out.final_dir)
         result = backend.train(request)
-        out.details.update(backend=backend.name, implementation=getattr(backend, "implementation", backend.name),
+        describe = getattr(backend, "implementation", None)  # the embedded backends say what trains and how
+        out.details.update(backend=backend.name, implementation=describe(run.config) if describe else backend.name,
                            iterations=result.iterations, train_seconds=round(result.seconds, 3),
                            log=result.log_path.relative_to(out.dir).as_posix(),
                            checkpoint=None if result.checkpoint_dir is None

@@ -31,6 +31,7 @@ import torch
 
 from crossalign.backends.base import TrainRequest, TrainResult
 from crossalign.backends.local.mcore_model import IMPLEMENTATION
+from crossalign.config import AlignmentConfig
 from crossalign.backends.local.torch_trainer import (IterationStats, MegatronLogLines, TrainingError, _datetime_line,
                                                      _step_metrics, deterministic_training_threads, emit_setup_done,
                                                      megatron_log, megatron_lr)
@@ -199,12 +200,13 @@ class LocalMegatronBackend:
 
     name = "local-megatron"
 
-    @property
-    def implementation(self) -> str:
-        """What trains: recorded in the step's manifest and named in the report."""
+    def implementation(self, config: AlignmentConfig) -> str:
+        """What trains, and in which precision: recorded in the step's manifest and named in the report."""
         from importlib.metadata import version
 
-        return f"{IMPLEMENTATION} {version('megatron-core')} (GPTModel, DDP, optimizer and scheduler on CPU)"
+        precision = "bf16 on fp32 main weights" if config.training.embedded_precision == "bf16" else "fp32"
+        return (f"{IMPLEMENTATION} {version('megatron-core')} "
+                f"(GPTModel, DDP, optimizer and scheduler on CPU, {precision})")
 
     def train(self, request: TrainRequest) -> TrainResult:
         if request.mode != "align":

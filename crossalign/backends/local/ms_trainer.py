@@ -292,7 +292,11 @@ class LocalMindFormersBackend:
     """MindFormers pynative on CPU: our MindSpore Qwen3.5, MindFormers' sample order, logs and checkpoints."""
 
     name = "local-mindformers"
-    implementation = "crossalign's MindSpore Qwen3.5 (MindFormers layout, pynative on CPU)"
+
+    def implementation(self, config: AlignmentConfig) -> str:
+        """What trains: recorded in the step's manifest and named in the report (MindSpore's CPU kernels have no
+        bf16 MatMul, so this side computes in fp32 whatever ``training.embedded_precision`` says)."""
+        return "crossalign's MindSpore Qwen3.5 (MindFormers layout, pynative on CPU, fp32)"
 
     def train(self, request: TrainRequest) -> TrainResult:
         from crossalign.data.order import batches_for
