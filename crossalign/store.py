@@ -280,7 +280,7 @@ class Run:
         spec = step_spec(step)
         info = self.info
         digests = {"config": sha256_json(info["config"])}
-        if spec.index == 1 and (info.get("start") or {}).get("from", "base-train") != "base-train":
+        if spec.index == 1 and self.start["from"] != "base-train":
             digests["start"] = sha256_json(info["start"])  # another source of step 1's weights redoes the run
         if spec.uses_dataset:
             if not info.get("dataset"):

@@ -110,12 +110,12 @@ def step_task(store: str, run_id: str, step: str, mode: Mode, poll_interval_s: f
     """
     logger = get_run_logger()
     run = RunStore(store).run(run_id)
-    if run.is_done(step, checksums=checksums):
+    damaged = run.damaged_outputs(step, checksums=checksums)  # read once: sha256 reads whole checkpoints
+    if not damaged and run.is_done(step):
         manifest = run.manifest(step)
         logger.info(f"{step}: already done on {manifest['host']} ({manifest['seconds']:.1f} s); skipped")
         emit(StepEvent(step, "skipped", host=manifest["host"], seconds=manifest["seconds"]))
         return _brief(manifest)
-    damaged = run.damaged_outputs(step, checksums=checksums)
     if damaged:
         removed = run.invalidate(step)
         logger.warning(f"{step}: outputs changed since the step was committed ({'; '.join(damaged)}); "
