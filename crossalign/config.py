@@ -126,6 +126,11 @@ class ModelConfig(_Strict):
         return tuple(self.layer_kind(i) for i in range(self.num_layers))
 
     @property
+    def layer_pattern(self) -> str:
+        """The layer kinds at a glance: ``GGGAGGGA`` (G: GatedDeltaNet, A: full attention)."""
+        return "".join("A" if kind == "attention" else "G" for kind in self.layer_kinds)
+
+    @property
     def in_proj_layout(self) -> Literal["fused", "split"]:
         if self.gdn_in_proj_layout is not None:
             return self.gdn_in_proj_layout

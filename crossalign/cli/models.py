@@ -35,7 +35,7 @@ def list_configs(context: typer.Context) -> None:
     for path in sorted(CONFIG_DIR.glob("*.yaml")):
         cfg = load_config(path)
         m, t = cfg.model, cfg.training
-        table.add_row(path.stem, m.kind, "".join("A" if k == "attention" else "G" for k in m.layer_kinds),
+        table.add_row(path.stem, m.kind, m.layer_pattern,
                       str(m.hidden_size), str(m.num_experts or "-"), str(m.qkv_rows), str(m.in_proj_rows),
                       str(t.seq_length), f"{t.base_train_iters}+{t.train_iters}")
     console.print(table)
@@ -73,7 +73,7 @@ def import_hf_command(
             config.model_dump(mode="json", exclude_none=True), sort_keys=False))
         load_config(target)
     console.print(f"{model.name}: {model.kind}, {model.num_layers} layers "
-                  f"({''.join('A' if k == 'attention' else 'G' for k in model.layer_kinds)}), hidden {model.hidden_size}, "
+                  f"({model.layer_pattern}), hidden {model.hidden_size}, "
                   f"{model.mtp_num_layers} MTP layer(s); training section from {training or base.model.name} -> {target}",
                   highlight=False)
 
