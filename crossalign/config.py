@@ -224,17 +224,160 @@ class TrainingConfig(_Strict):
         return self.train_iters * self.global_batch_size
 
 
+class _Layout(_Strict):
+    """The sizes every parallel layout has: how the model is cut and over how many cards."""
+
+    tensor: int = Field(default=1, gt=0)
+    pipeline: int = Field(default=1, gt=0)
+    expert: int = Field(default=1, gt=0)
+    context: int = Field(default=1, gt=0)
+    sequence_parallel: bool = False
+    cards_per_node: int = Field(default=1, gt=0)
+    nodes: int = Field(default=1, gt=0)
+
+    @property
+    def world_size(self) -> int:
+        return self.cards_per_node * self.nodes
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline * self.context
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas of the model (world / (TP x PP x CP)); the config check makes it whole."""
+        return self.world_size // self.model_parallel
+
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.tensor
+
+    @property
+    def virtual_layers(self) -> int | None:
+        return None
+
+    @property
+    def ranks(self) -> str:
+        """The layout at a glance: ``TP 2 x PP 2 x EP 2 (DP 2) on 2 x 4 cards``."""
+        parts = [f"TP {self.tensor}", f"PP {self.pipeline}"]
+        if self.virtual_layers:
+            parts[-1] += f" (VPP {self.virtual_layers} layers a stage)"
+        parts += [f"{name} {size}" for name, size in (("EP", self.expert), ("ETP", self.expert_tensor_size),
+                                                      ("CP", self.context)) if size != 1]
+        text = " x ".join(parts) + (" + SP" if self.sequence_parallel else "")
+        return f"{text} (DP {self.data_parallel}) on {self.nodes} x {self.cards_per_node} cards"
+
+
+class MegatronParallel(_Layout):
+    """Megatron-LM's layout; each field is the flag of the same name (core_v0.16.1 megatron/training/arguments.py).
+
+    tensor: --tensor-model-parallel-size, pipeline: --pipeline-model-parallel-size,
+    virtual_pipeline_layers: --num-layers-per-virtual-pipeline-stage, expert: --expert-model-parallel-size,
+    expert_tensor: --expert-tensor-parallel-size (unset: the tensor size, as Megatron defaults it),
+    context: --context-parallel-size, sequence_parallel: --sequence-parallel; cards_per_node and nodes
+    are torchrun's --nproc-per-node and --nnodes.
+    """
+
+    virtual_pipeline_layers: int | None = Field(default=None, gt=0)
+    expert_tensor: int | None = Field(default=None, gt=0)
+
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.expert_tensor if self.expert_tensor is not None else self.tensor
+
+    @property
+    def virtual_layers(self) -> int | None:
+        return self.virtual_pipeline_layers
+
+
+class MindFormersParallel(_Layout):
+    """MindFormers' pynative ``parallelism`` section (tensor_parallel, pipeline_parallel, expert_parallel,
+    context_parallel, sequence_parallel; data_parallel_shard is what the cards leave); cards_per_node and
+    nodes are msrun's --local_worker_num and --worker_num / --local_worker_num."""
+
+
+class ParallelConfig(_Strict):
+    """The layout of each side: they may differ (a loss that moves with the layout is a bug either way)."""
+
+    megatron: MegatronParallel = MegatronParallel()
+    mindformers: MindFormersParallel = MindFormersParallel()
+
+
+def layout_problems(section: str, layout: _Layout, model: ModelConfig, training: TrainingConfig) -> list[str]:
+    """Every reason ``layout`` cannot cut this model or batch, each naming its field (``parallel.megatron.tensor``).
+
+    Tensor parallelism splits heads, query groups, GDN key and value heads, the vocab and the
+    FFN and expert widths; pipeline stages take whole layers; expert ranks take whole experts;
+    the global batch is whole micro batches on every data-parallel rank.
+    """
+    m, t, problems = model, training, []
+    tp, etp = layout.tensor, layout.expert_tensor_size
+
+    def need(field: str, divisor: int, sizes: dict[str, int | None]) -> None:
+        for name, size in sizes.items():
+            if size is not None and size % divisor:
+                problems.append(f"{section}.{field}: {divisor} does not divide model.{name} = {size}")
+
+    need("tensor", tp, {"num_attention_heads": m.num_attention_heads, "num_query_groups": m.num_query_groups,
+                        "linear_num_key_heads": m.linear_num_key_heads,
+                        "linear_num_value_heads": m.linear_num_value_heads,
+                        "padded_vocab_size": m.padded_vocab_size, "hidden_size": m.hidden_size,
+                        "ffn_hidden_size": None if m.is_moe else m.ffn_hidden_size,
+                        "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size})
+    expert_field = "expert_tensor" if isinstance(layout, MegatronParallel) and layout.expert_tensor else "tensor"
+    if m.is_moe:
+        need(expert_field, etp, {"moe_ffn_hidden_size": m.moe_ffn_hidden_size})
+        need("expert", layout.expert, {"num_experts": m.num_experts})
+    elif layout.expert > 1:
+        problems.append(f"{section}.expert: {layout.expert} expert ranks, but the model has no experts")
+    need("pipeline", layout.pipeline, {"num_layers": m.num_layers})
+    if layout.virtual_layers is not None:
+        if layout.pipeline <= 2:
+            # core_v0.16.1 megatron/training/arguments.py:580: the interleaved schedule without p2p overlap
+            problems.append(f"{section}.virtual_pipeline_layers: the interleaved schedule needs pipeline > 2")
+        elif m.num_layers % layout.pipeline == 0 and (m.num_layers // layout.pipeline) % layout.virtual_layers:
+            problems.append(f"{section}.virtual_pipeline_layers: {layout.virtual_layers} does not divide the "
+                            f"{m.num_layers // layout.pipeline} layers of a pipeline stage")
+    if layout.sequence_parallel and tp == 1:
+        problems.append(f"{section}.sequence_parallel: needs tensor > 1 (it splits the sequence over the tensor "
+                        "ranks)")
+    if m.is_moe and tp > 1 and layout.expert > 1 and not layout.sequence_parallel:
+        # core_v0.16.1 megatron/core/model_parallel_config.py:440: "When using expert parallelism and tensor
+        # parallelism for training, sequence parallelism must be used"
+        problems.append(f"{section}.sequence_parallel: required with tensor {tp} and expert {layout.expert}")
+    if layout.context > 1 and t.seq_length % (2 * layout.context):
+        problems.append(f"{section}.context: training.seq_length {t.seq_length} is not a multiple of "
+                        f"2 x {layout.context} (each context rank holds two chunks)")
+    world = layout.world_size
+    if world % layout.model_parallel:
+        problems.append(f"{section}.cards_per_node: TP {tp} x PP {layout.pipeline} x CP {layout.context} = "
+                        f"{layout.model_parallel} does not fit {layout.nodes} x {layout.cards_per_node} cards")
+    elif world % (etp * layout.expert * layout.pipeline):
+        problems.append(f"{section}.expert: ETP {etp} x EP {layout.expert} x PP {layout.pipeline} does not fit "
+                        f"{layout.nodes} x {layout.cards_per_node} cards")
+    elif t.global_batch_size % (t.micro_batch_size * layout.data_parallel):
+        problems.append(f"training.global_batch_size: {t.global_batch_size} is not a multiple of micro_batch_size "
+                        f"{t.micro_batch_size} x {layout.data_parallel} data-parallel ranks of {section}")
+    return problems
+
+
 class AlignmentConfig(_Strict):
-    """One config file: the model and the shared training settings."""
+    """One config file: the model, the shared training settings and each side's parallel layout."""
 
     model: ModelConfig
     training: TrainingConfig
+    parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
     def _check_sequence(self) -> "AlignmentConfig":
         if self.training.seq_length > self.model.max_position_embeddings:
             raise ValueError(f"training.seq_length: {self.training.seq_length} exceeds "
                              f"model.max_position_embeddings {self.model.max_position_embeddings}")
+        problems = [problem for side in ("megatron", "mindformers")
+                    for problem in layout_problems(f"parallel.{side}", getattr(self.parallel, side),
+                                                   self.model, self.training)]
+        if problems:
+            raise ValueError("\n  ".join(problems))  # one line each under the file's name
         return self
 
 
@@ -269,14 +412,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), parsed
 
 
+SECTIONS = ("model", "training", "parallel")
+
+
 def _apply_overrides(raw: dict, overrides: Sequence[str]) -> None:
     for text in overrides:
         keys, value = parse_override(text)
-        if keys[0] not in ("model", "training"):
-            raise OverrideError(f"--set {text!r}: keys start with 'model.' or 'training.'")
+        if keys[0] not in SECTIONS:
+            raise OverrideError(f"--set {text!r}: keys start with 'model.', 'training.' or 'parallel.'")
         node = raw
         for depth, key in enumerate(keys[:-1]):
             child = node.get(key) if isinstance(node, dict) else None
+            if child is None and keys[0] == "parallel" and depth < 2 and isinstance(node, dict):
+                child = node[key] = {}  # the parallel section and each side's layout are optional in the file
             if not isinstance(child, dict):
                 raise OverrideError(f"--set {text!r}: {'.'.join(keys[:depth + 1])} is not a config section")
             node = child

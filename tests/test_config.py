@@ -70,3 +70,95 @@ def test_warmup_as_long_as_the_run_is_refused_before_any_step(tmp_path):
     path = _tiny_with(tmp_path, "  train_iters: 50\n", "  train_iters: 5\n")
     with pytest.raises(ConfigError, match=r"training\.lr_warmup_iters: 5 is not below train_iters 5"):
         load_config(path)
+
+
+# ---- the parallel layout of each side ------------------------------------------------------------
+
+
+def test_layouts_default_to_one_card_and_each_side_may_differ():
+    config = load_config("qwen35_moe_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.expert=2",
+                                             "parallel.megatron.sequence_parallel=true",
+                                             "parallel.megatron.expert_tensor=1", "parallel.megatron.cards_per_node=2",
+                                             "parallel.mindformers.pipeline=2", "parallel.mindformers.cards_per_node=2"])
+    megatron, mindformers = config.parallel.megatron, config.parallel.mindformers
+    assert (megatron.tensor, megatron.expert, megatron.expert_tensor_size, megatron.data_parallel) == (2, 2, 1, 1)
+    assert (mindformers.tensor, mindformers.pipeline, mindformers.data_parallel) == (1, 2, 1)
+    assert megatron.ranks == "TP 2 x PP 1 x EP 2 + SP (DP 1) on 1 x 2 cards"
+    assert load_config("qwen35_dense_tiny").parallel.megatron.world_size == 1
+
+
+def test_expert_tensor_size_defaults_to_the_tensor_size_as_megatron():
+    # core_v0.16.1 megatron/training/arguments.py:410
+    config = load_config("qwen35_moe_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.cards_per_node=2"])
+    assert config.parallel.megatron.expert_tensor_size == 2
+
+
+def test_a_file_without_a_parallel_section_takes_overrides(tmp_path):
+    text = resolve_config_path("qwen35_dense_tiny").read_text()
+    path = _write(tmp_path, text[: text.index("\n# Each side's layout")] + "\n")
+    config = load_config(path, ["parallel.megatron.pipeline=2", "parallel.megatron.cards_per_node=2"])
+    assert config.parallel.megatron.pipeline == 2 and config.parallel.mindformers.pipeline == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.megatron.tensor=4", "parallel.megatron.cards_per_node=4"],
+     r"parallel\.megatron\.tensor: 4 does not divide model\.num_query_groups = 2"),
+    (["parallel.mindformers.tensor=4", "parallel.mindformers.cards_per_node=4"],
+     r"parallel\.mindformers\.tensor: 4 does not divide model\.linear_num_key_heads = 2"),
+    (["model.linear_num_value_heads=3", "model.linear_num_key_heads=3", "model.num_attention_heads=6",
+      "model.num_query_groups=6", "parallel.megatron.tensor=2", "parallel.megatron.cards_per_node=2"],
+     r"parallel\.megatron\.tensor: 2 does not divide model\.linear_num_value_heads = 3"),
+    (["model.ffn_hidden_size=100", "parallel.megatron.tensor=8", "model.num_attention_heads=8",
+      "model.num_query_groups=8", "model.linear_num_key_heads=8", "model.linear_num_value_heads=8",
+      "parallel.megatron.cards_per_node=8", "training.global_batch_size=4"],
+     r"parallel\.megatron\.tensor: 8 does not divide model\.ffn_hidden_size = 100"),
+    (["parallel.megatron.pipeline=3", "parallel.megatron.cards_per_node=3"],
+     r"parallel\.megatron\.pipeline: 3 does not divide model\.num_layers = 4"),
+    (["model.num_layers=8", "parallel.megatron.pipeline=4", "parallel.megatron.virtual_pipeline_layers=3",
+      "parallel.megatron.cards_per_node=4"],
+     r"parallel\.megatron\.virtual_pipeline_layers: 3 does not divide the 2 layers of a pipeline stage"),
+    (["parallel.megatron.pipeline=2", "parallel.megatron.virtual_pipeline_layers=1",
+      "parallel.megatron.cards_per_node=2"],
+     r"parallel\.megatron\.virtual_pipeline_layers: the interleaved schedule needs pipeline > 2"),
+    (["parallel.megatron.sequence_parallel=true"], r"parallel\.megatron\.sequence_parallel: needs tensor > 1"),
+    (["parallel.megatron.expert=2", "parallel.megatron.cards_per_node=2"],
+     r"parallel\.megatron\.expert: 2 expert ranks, but the model has no experts"),
+    (["parallel.megatron.tensor=2", "parallel.megatron.cards_per_node=1"],
+     r"parallel\.megatron\.cards_per_node: TP 2 x PP 1 x CP 1 = 2 does not fit 1 x 1 cards"),
+    (["parallel.megatron.context=4", "parallel.megatron.cards_per_node=4", "training.seq_length=36"],
+     r"parallel\.megatron\.context: training\.seq_length 36 is not a multiple of 2 x 4"),
+    (["parallel.mindformers.cards_per_node=2", "parallel.mindformers.nodes=4"],
+     r"training\.global_batch_size: 4 is not a multiple of micro_batch_size 4 x 8 data-parallel ranks of "
+     r"parallel\.mindformers"),
+    (["parallel.megatron.tenser=2"], r"parallel\.megatron\.tenser: unknown field"),
+])
+def test_a_layout_that_does_not_cut_the_model_names_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("qwen35_dense_tiny", overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.megatron.expert=3", "parallel.megatron.cards_per_node=3"],
+     r"parallel\.megatron\.expert: 3 does not divide model\.num_experts = 4"),
+    (["parallel.megatron.expert_tensor=64", "parallel.megatron.cards_per_node=64", "training.global_batch_size=256"],
+     r"parallel\.megatron\.expert_tensor: 64 does not divide model\.moe_ffn_hidden_size = 32"),
+    (["parallel.megatron.tensor=2", "parallel.megatron.expert=2", "parallel.megatron.cards_per_node=4",
+      "training.global_batch_size=8"],
+     r"parallel\.megatron\.sequence_parallel: required with tensor 2 and expert 2"),
+    (["parallel.megatron.tensor=2", "parallel.megatron.expert=2", "parallel.megatron.sequence_parallel=true",
+      "parallel.megatron.cards_per_node=2"],
+     r"parallel\.megatron\.expert: ETP 2 x EP 2 x PP 1 does not fit 1 x 2 cards"),
+])
+def test_an_expert_layout_that_does_not_cut_the_model_names_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("qwen35_moe_tiny", overrides)
+
+
+def test_the_real_layouts_of_the_launch_example_are_accepted():
+    config = load_config("qwen35_moe", [
+        "parallel.megatron.tensor=2", "parallel.megatron.pipeline=2", "parallel.megatron.expert=4",
+        "parallel.megatron.sequence_parallel=true", "parallel.megatron.cards_per_node=8", "parallel.megatron.nodes=2",
+        "parallel.mindformers.tensor=4", "parallel.mindformers.pipeline=2", "parallel.mindformers.expert=2",
+        "parallel.mindformers.sequence_parallel=true", "parallel.mindformers.cards_per_node=16",
+        "training.global_batch_size=16"])
+    assert config.parallel.megatron.data_parallel == 4 and config.parallel.mindformers.data_parallel == 2
