@@ -65,6 +65,7 @@ class ConvertReport:
     files: list[Path] = field(default_factory=list)
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     dtype: str = "fp32"
     fault: str | None = None
     output_validated: bool = True
@@ -251,14 +252,14 @@ def _nbytes(tensors) -> int:
 
 def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path, output_dir: Path, *,
                        core_version: str = "0.16.1", dtype: str = "fp32", experts: str = "per_expert",
-                       tp: int = 1, pp: int = 1, fault: str | None = None, global_batch_size: int | None = None,
-                       progress: Progress | None = None) -> ConvertReport:
+                       tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, fault: str | None = None,
+                       global_batch_size: int | None = None, progress: Progress | None = None) -> ConvertReport:
     """Convert a checkpoint folder into a new folder (which must not exist or be empty).
 
     ms2mg reads a MindFormers checkpoint (one rank's, or several ranks' slices stitched by
     their metadata.json) tensor by tensor, leaves out its optimizer state and buffers, and
-    writes a Megatron legacy checkpoint resharded to tp x pp; mg2ms merges a Megatron
-    checkpoint and writes a MindFormers checkpoint as ``tp`` ranks save it (one file per rank
+    writes a Megatron legacy checkpoint resharded to tp x pp x ep (routed experts split
+    over ``etp`` tensor ranks, None: tp); mg2ms merges a Megatron checkpoint of any layout and writes a MindFormers checkpoint as ``tp`` ranks save it (one file per rank
     and metadata.json when tp > 1), with the buffers of MindFormers' MoE layers, and whose
     common.json records the Megatron iteration (and ``global_batch_size`` with the samples
     consumed, when given).
@@ -277,10 +278,11 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_expert_form(experts)
-    check_parallel_sizes(model, tp, pp)
-    if direction == "mg2ms" and pp != 1:
-        raise CheckpointError("mg2ms writes the ranks of one tensor-parallel group: --pp applies to ms2mg only")
-    if fault is not None and (direction != "ms2mg" or (tp, pp) != (1, 1)):
+    check_parallel_sizes(model, tp, pp, ep, etp)
+    if direction == "mg2ms" and (pp, ep, etp) != (1, 1, None):
+        raise CheckpointError("mg2ms writes the ranks of one tensor-parallel group: --pp, --ep and --etp apply to "
+                              "ms2mg only (mg2ms reads any Megatron layout)")
+    if fault is not None and (direction != "ms2mg" or (tp, pp, ep, etp) != (1, 1, 1, None)):
         raise CheckpointError("fault injection simulates a single-rank ms2mg converter: use it with ms2mg, tp=1, pp=1")
     check_output_dir(output_dir)
     start = time.perf_counter()
@@ -303,7 +305,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
             tensors = state.items()
         keys_out, bytes_out = len(specs), sum(spec.nbytes for spec in specs.values())
         with one_thread():
-            written = stream_megatron_checkpoint(output_dir, iteration, specs, tensors, model=model, tp=tp, pp=pp)
+            written = stream_megatron_checkpoint(output_dir, iteration, specs, tensors, model=model, tp=tp, pp=pp,
+                                                 ep=ep, etp=etp)
         files = sorted(written.glob("mp_rank_*/*.pt"))
     else:
         source_mg = read_megatron_checkpoint(input_dir, model)
@@ -324,5 +327,5 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         files = sorted(written.glob("*.safetensors"))
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
-                         seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, dtype=dtype, fault=fault,
+                         seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype, fault=fault,
                          output_validated=fault is None, notes=notes)

@@ -5,6 +5,13 @@ Layout::
     <root>/latest_checkpointed_iteration.txt      the number, no newline (or "release")
     <root>/iter_0000010/mp_rank_00/model_optim_rng.pt            TP ranks, no pipeline
     <root>/iter_0000010/mp_rank_01_002/model_optim_rng.pt        TP rank 1 of pipeline stage 2
+    <root>/iter_0000010/mp_rank_01_003/model_optim_rng.pt        or of EP rank 3, without pipeline
+    <root>/iter_0000010/mp_rank_01_002_003/model_optim_rng.pt    TP 1, pipeline stage 2, EP rank 3
+
+(core_v0.16.1 ``megatron/training/checkpointing.py:162-201``, ``get_checkpoint_name``: the
+pipeline rank is in the name when there is more than one stage, the expert rank appended
+when expert parallel size > 1.) A name with one number after the tensor rank is a pipeline
+stage or an EP rank: the contents tell, as only the last stage holds the final norm.
 
 Each file holds ``{"checkpoint_version": 3.0, "iteration": N, "model": {...}}`` and nothing
 else, so it loads with torch's default ``weights_only=True`` and needs no patch to Megatron
@@ -33,15 +40,18 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 _ITER_DIR = re.compile(r"iter_(\d{7})")
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+_LAST_STAGE_KEY = "decoder.final_layernorm.weight"
 
 
 def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron's folder for one rank: ``mp_rank_TT``, then ``_PPP`` when pp > 1, then ``_EEE`` when ep > 1."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep == 1 else f"{name}_{ep_rank:03d}"
 
 
 @dataclass
@@ -53,6 +63,7 @@ class MegatronCheckpoint:
     state: dict[str, torch.Tensor]
     tp: int
     pp: int
+    ep: int = 1
 
 
 def find_iteration_dir(path: Path) -> tuple[Path, int]:
@@ -95,70 +106,88 @@ def _load_rank(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _ranks_of(folders: dict[tuple[int, ...], Path], shards: dict[tuple[int, ...], dict], directory: Path) -> dict:
+    """(tp, pp, ep) of each folder's numbers: a lone second number is a stage unless every file has the final norm."""
+    lengths = {len(numbers) for numbers in folders}
+    if len(lengths) > 1:
+        raise CheckpointError(f"{directory}: rank folders of different forms: {sorted(p.name for p in folders.values())}")
+    length = lengths.pop()
+    if length == 1:
+        return {numbers: (numbers[0], 0, 0) for numbers in folders}
+    if length == 3:
+        return {numbers: numbers for numbers in folders}
+    expert_ranks = len(shards) > 1 and all(_LAST_STAGE_KEY in state for state in shards.values())
+    return {numbers: (numbers[0], 0, numbers[1]) if expert_ranks else (numbers[0], numbers[1], 0)
+            for numbers in folders}
+
+
 def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None) -> MegatronCheckpoint:
     """Open a checkpoint given its root (with the tracker) or an ``iter_%07d``/``release`` folder.
 
-    All ``mp_rank_*`` shards are merged into one state dict; merging tensor-parallel shards
-    needs the model config (the GDN segment sizes come from it).
+    All ``mp_rank_*`` shards, of any tensor, pipeline and expert layout, are merged into one
+    state dict; merging tensor- or expert-parallel shards needs the model config (the GDN
+    segment sizes and the expert count come from it).
     """
     directory, iteration = find_iteration_dir(Path(path))
-    shards: dict[Rank, dict[str, torch.Tensor]] = {}
+    folders: dict[tuple[int, ...], Path] = {}
     for rank_dir in sorted(directory.iterdir()):
         match = _RANK_DIR.fullmatch(rank_dir.name)
         if not match:
             if rank_dir.name.startswith("mp_rank_"):
-                raise CheckpointError(f"{rank_dir}: expert-parallel or unknown rank folders are not supported")
+                raise CheckpointError(f"{rank_dir}: not a rank folder of the form mp_rank_TT[_PPP][_EEE]")
             continue
-        file = rank_dir / MODEL_FILE
-        if not file.exists():
+        if not (rank_dir / MODEL_FILE).exists():
             raise CheckpointError(f"{rank_dir}: {MODEL_FILE} is missing")
-        shards[(int(match.group(1)), int(match.group(2) or 0))] = _load_rank(file)
-    if not shards:
+        folders[tuple(int(g) for g in match.groups() if g is not None)] = rank_dir
+    if not folders:
         raise CheckpointError(f"{directory}: no mp_rank_* folders")
-    tp = 1 + max(rank[0] for rank in shards)
-    pp = 1 + max(rank[1] for rank in shards)
-    state = merge_shards(shards, model) if len(shards) > 1 else shards[(0, 0)]
-    return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=tp, pp=pp)
+    loaded = {numbers: _load_rank(folder / MODEL_FILE) for numbers, folder in folders.items()}
+    shards: dict[Rank, dict[str, torch.Tensor]] = {rank: loaded[numbers]
+                                                  for numbers, rank in _ranks_of(folders, loaded, directory).items()}
+    tp, pp, ep = (1 + max(rank[i] for rank in shards) for i in range(3))
+    state = merge_shards(shards, model) if len(shards) > 1 else shards[(0, 0, 0)]
+    return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=tp, pp=pp, ep=ep)
 
 
-def _rank_specs(specs: Mapping[str, TensorSpec], model: ModelConfig | None, tp: int,
-                pp: int) -> dict[Rank, dict[str, TensorSpec]]:
+def _rank_specs(specs: Mapping[str, TensorSpec], model: ModelConfig | None, tp: int, pp: int, ep: int,
+                etp: int | None) -> dict[Rank, dict[str, TensorSpec]]:
     """What each rank file holds, in the order the tensors come."""
-    per_rank: dict[Rank, dict[str, TensorSpec]] = {(t, p): {} for p in range(pp) for t in range(tp)}
+    per_rank: dict[Rank, dict[str, TensorSpec]] = {(t, p, e): {} for p in range(pp) for t in range(tp)
+                                                   for e in range(ep)}
     for key, spec in specs.items():
-        for rank, local_key, shape in shard_shapes(key, spec.shape, model, tp, pp):
+        for rank, local_key, shape in shard_shapes(key, spec.shape, model, tp, pp, ep, etp):
             per_rank[rank][local_key] = TensorSpec(shape, spec.dtype)
     return per_rank
 
 
 def _fill_iteration_dir(directory: Path, iteration: int, specs: Mapping[str, TensorSpec],
                         tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig | None, tp: int,
-                        pp: int) -> None:
+                        pp: int, ep: int, etp: int | None) -> None:
     """Lay out every rank file, then shard each tensor as it comes and write its shards into their records."""
-    if (tp, pp) != (1, 1):
+    if (tp, pp, ep, etp) != (1, 1, 1, None):
         if model is None:
-            raise CheckpointError(f"writing tp={tp} pp={pp} shards needs the model config")
-        check_parallel_sizes(model, tp, pp)
+            raise CheckpointError(f"writing tp={tp} pp={pp} ep={ep} shards needs the model config")
+        check_parallel_sizes(model, tp, pp, ep, etp)
     fields = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
     caster = BlockCaster()
     with ExitStack() as open_files:  # each writer checks on a clean exit that all its tensors came
         writers: dict[Rank, TorchFileWriter] = {}
-        for rank, rank_specs in _rank_specs(specs, model, tp, pp).items():
-            file = directory / rank_dir_name(*rank, pp) / MODEL_FILE
+        for (t, p, e), rank_specs in _rank_specs(specs, model, tp, pp, ep, etp).items():
+            file = directory / rank_dir_name(t, p, pp, e, ep) / MODEL_FILE
             file.parent.mkdir(parents=True)
-            writers[rank] = open_files.enter_context(TorchFileWriter(file, fields, "model", rank_specs, caster))
+            writers[(t, p, e)] = open_files.enter_context(TorchFileWriter(file, fields, "model", rank_specs, caster))
         announced = iter(specs)
         for key, tensor in tensors:
             if key != next(announced, None):
                 raise CheckpointError(f"{directory}: tensor {key!r} was not announced in this place")
-            for rank, local_key, shard in shard_tensor(key, tensor, model, tp, pp):
+            for rank, local_key, shard in shard_tensor(key, tensor, model, tp, pp, ep, etp):
                 writers[rank].write(local_key, shard)
 
 
 def stream_megatron_checkpoint(root: Path, iteration: int, specs: Mapping[str, TensorSpec],
                                tensors: Iterable[tuple[str, torch.Tensor]], *, model: ModelConfig | None = None,
-                               tp: int = 1, pp: int = 1) -> Path:
-    """Save a full model given tensor by tensor (resharded to tp x pp when asked); returns the iteration folder.
+                               tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> Path:
+    """Save a full model given tensor by tensor (resharded to tp x pp x ep when asked); returns the iteration folder.
 
     ``specs`` announces every key of the full model with its shape and the dtype to store;
     ``tensors`` then yields the same keys in the same order, each consumed and dropped before
@@ -169,11 +198,12 @@ def stream_megatron_checkpoint(root: Path, iteration: int, specs: Mapping[str, T
     root gets the new iteration folder the same way and then its tracker is replaced.
     """
     return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER,
-                          lambda folder: _fill_iteration_dir(folder, iteration, specs, tensors, model, tp, pp))
+                          lambda folder: _fill_iteration_dir(folder, iteration, specs, tensors, model, tp, pp, ep, etp))
 
 
 def write_megatron_checkpoint(root: Path, iteration: int, state: Mapping[str, torch.Tensor], *,
-                              model: ModelConfig | None = None, tp: int = 1, pp: int = 1) -> Path:
-    """Save a full state dict held in memory (resharded to tp x pp when asked); returns the iteration folder."""
+                              model: ModelConfig | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
+                              etp: int | None = None) -> Path:
+    """Save a full state dict held in memory (resharded to tp x pp x ep when asked); returns the iteration folder."""
     specs = {key: TensorSpec(tuple(tensor.shape), tensor.dtype) for key, tensor in state.items()}
-    return stream_megatron_checkpoint(root, iteration, specs, state.items(), model=model, tp=tp, pp=pp)
+    return stream_megatron_checkpoint(root, iteration, specs, state.items(), model=model, tp=tp, pp=pp, ep=ep, etp=etp)
