@@ -501,6 +501,15 @@ class RunStore:
         return self.root / "datasets" / str(vocab_size)
 
 
+def new_run_id(model: str) -> str:
+    """A fresh run id, ``<model>-YYYYMMDD-HHMMSS-<4 hex>``, for runs started from the CLI and the UI alike.
+
+    The time says when it was started; the random suffix keeps two runs started in the same
+    second (two users, a script) apart, which would otherwise share one folder and become one run.
+    """
+    return check_run_id(f"{model}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}")
+
+
 def check_run_id(run_id: str) -> str:
     """The run id itself if it is usable as a folder name; raises StoreError otherwise."""
     if not run_id or run_id.startswith(".") or "/" in run_id or run_id != run_id.strip() or run_id == "datasets":

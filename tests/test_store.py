@@ -21,6 +21,7 @@ from crossalign.store import (
     StoreError,
     dataset_fingerprint,
     downstream,
+    new_run_id,
     sha256_file,
     step_spec,
 )
@@ -228,3 +229,24 @@ def test_manifest_is_the_last_thing_written(tmp_path):
     (run.step_dir("base-train") / MANIFEST).unlink()
     assert not run.is_done("base-train")
     assert os.path.isdir(run.step_dir("base-train"))
+
+
+def test_run_ids_started_in_the_same_second_differ_and_the_runs_table_shows_them_whole(tmp_path):
+    """Two runs started in the same second get their own ids (and folders); `crossalign runs` in an
+    80-column terminal prints every id whole."""
+    import re
+
+    config = load_config("qwen35_moe_tiny")
+    ids = {new_run_id(config.model.name) for _ in range(50)}
+    assert len(ids) == 50
+    assert all(re.fullmatch(r"qwen35_moe_tiny-\d{8}-\d{6}-[0-9a-f]{4}", run_id) for run_id in ids), ids
+    store = RunStore(tmp_path / "store")
+    shown = sorted(ids)[:3]
+    for run_id in shown:
+        store.create_run(run_id, config, config_source="qwen35_moe_tiny", parameters={}, code_version={})
+    listed = subprocess.run([str(Path(sys.executable).with_name("crossalign")), "runs", "--store", str(store.root)],
+                            env={**os.environ, "COLUMNS": "80"}, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert max(len(line) for line in listed.stdout.splitlines()) <= 80
+    for run_id in shown:
+        assert run_id in listed.stdout, listed.stdout

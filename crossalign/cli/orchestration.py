@@ -10,11 +10,12 @@ from typing import Any, Optional
 import typer
 
 from crossalign.cli.common import console, err_console, user_errors
+from crossalign.report.units import duration_text, size_text
 
 STATE_STYLES = {"done": "green", "skipped": "green", "stale": "yellow", "running": "cyan", "started": "cyan",
                 "interrupted": "red", "failed": "red", "pending": "dim"}
 EXIT_PASS, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
-HEARTBEAT_S = "60"  # as in prefect.yaml; the zombie automation waits ten times as long
+HEARTBEAT_S = "30"  # as in prefect.yaml (Prefect's least); the zombie automation waits three times as long
 
 
 API_WAIT_S = 120  # a server started a moment ago (`crossalign server start &`) needs this long on a busy machine
@@ -62,6 +63,20 @@ def _api_answers(url: str, within_s: float) -> bool:
         time.sleep(1)
 
 
+def _is_loopback_url(url: str) -> bool:
+    """Whether the host of ``url`` is, or resolves to, a loopback address (a name that does not resolve is not)."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
 def _store_root(store: Optional[Path]) -> Path:
     from crossalign.site import load_site
 
@@ -87,20 +102,6 @@ def _styled(state: str) -> str:
     return f"[{style}]{state}[/]" if style else state
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
-
-
-def _size(num: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if num < 1024:
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1024
-    return f"{num:.1f} TB"
-
-
 def _metrics_text(metrics: dict[str, Any]) -> str:
     shown = [(k, v) for k, v in metrics.items() if k in ("lm_loss", "mtp_1_loss", "aux_loss", "loss", "grad_norm")]
     return "  ".join(f"{k} {v:.4f}" for k, v in shown if isinstance(v, (int, float)))
@@ -115,9 +116,15 @@ class RunDisplay:
         self.run_id = run_id
         self.rows = {s.name: {"spec": s, "state": "pending", "host": "", "seconds": None, "done": 0, "total": 0,
                               "metrics": {}, "started": None} for s in STEPS}
+        self.alignment = None  # the latest live comparison of steps 4 and 5
         self.live = None
 
     def handle(self, event) -> None:
+        if event.kind == "alignment":
+            from crossalign.cli.live import alignment_line
+
+            self.alignment = event
+            self._say(alignment_line(event))
         row = self.rows.get(event.step)
         if row is None:
             return
@@ -132,7 +139,7 @@ class RunDisplay:
             self._say(f"  {event.step} {event.done:>4}/{event.total}  {_metrics_text(event.metrics)}")
         elif event.kind == "done":
             row.update(state="done", host=event.host, seconds=event.seconds)
-            self._say(f"[green]{event.step}[/] done in {_duration(event.seconds)} on {event.host}")
+            self._say(f"[green]{event.step}[/] done in {duration_text(event.seconds)} on {event.host}")
         elif event.kind == "failed":
             row.update(state="failed")
             self._say(f"[red]{event.step} failed:[/] {event.message}")
@@ -158,8 +165,14 @@ class RunDisplay:
             if row["total"]:
                 progress = ProgressBar(total=row["total"], completed=row["done"], width=24)
             table.add_row(str(spec.index), spec.name, spec.pool,
-                          _styled(state), row["host"], _duration(seconds), progress)
-        return table
+                          _styled(state), row["host"], duration_text(seconds), progress)
+        if self.alignment is None:
+            return table
+        from rich.console import Group
+
+        from crossalign.cli.live import alignment_table
+
+        return Group(table, alignment_table(self.alignment))
 
     def __enter__(self) -> "RunDisplay":
         if console.is_terminal:
@@ -184,12 +197,12 @@ def _status_table(run):
         table.add_column(column)
     for state in run.states():
         outputs = (state.manifest or {}).get("outputs", [])
-        shown = f"{len(outputs)} file{'' if len(outputs) == 1 else 's'}, {_size(sum(o['size'] for o in outputs))}" if outputs else ""
+        shown = f"{len(outputs)} file{'' if len(outputs) == 1 else 's'}, {size_text(sum(o['size'] for o in outputs))}" if outputs else ""
         if state.status == "failed":
             shown = (state.attempt or {}).get("error", "")[:80]
         table.add_row(str(state.spec.index), state.spec.name, run.pool(state.spec.name),
                       _styled(state.status), state.host,
-                      _duration(state.seconds), shown)
+                      duration_text(state.seconds), shown)
     return table
 
 
@@ -201,7 +214,12 @@ def _verdict(run) -> tuple[str | None, str | None]:
     from crossalign.tasks.compare import SUMMARY
 
     if not run.is_done("compare"):
-        return None, None
+        from crossalign.tasks.stop import stopped_report
+
+        stopped = stopped_report(run)  # fail-fast ended the run before step 6
+        if stopped is None:
+            return None, None
+        return "fail", store_url(load_site().report_url, run.store.root, stopped) or str(stopped)
     folder = run.step_dir("compare")
     summary = read_json(folder / SUMMARY)
     reports = sorted(folder.rglob("report.html")) or sorted(folder.rglob("report.md")) or [folder / SUMMARY]
@@ -212,20 +230,25 @@ def _finish(run_id: str, root: Path, state) -> int:
     """Print the outcome of a flow run and choose the exit code: 0 pass, 1 fail, 2 invalid or bad input."""
     from crossalign.config import ConfigError
     from crossalign.store import RunStore, StoreError
-    from crossalign.tasks.errors import PreflightFailed, VerdictFailed
+    from crossalign.tasks.errors import PreflightFailed
 
     store = RunStore(root)
     run = store.run(run_id) if store.exists(run_id) else None
+    # a failed verdict ends the flow Failed with its outcome as data, not an exception
     error = None if state.is_completed() else state.result(raise_on_failure=False)
+    if not isinstance(error, BaseException):
+        error = None
     if isinstance(error, (ConfigError, StoreError, PreflightFailed)):
         err_console.print(f"[bold red]run {run_id}: invalid input:[/] {error}", highlight=False, soft_wrap=True)
         return EXIT_INVALID
     if run is not None:
         console.print(_status_table(run))
     verdict, report = _verdict(run) if run is not None else (None, None)
-    if verdict is not None and (error is None or isinstance(error, VerdictFailed)):
+    if verdict is not None and error is None:
         style = "green" if verdict == "pass" else "red"
         console.print(f"verdict: [bold {style}]{verdict}[/]    report: {report}", highlight=False)
+        if not run.is_done("compare"):  # stopped early: say why and what it saved
+            console.print(state.message or "", highlight=False, soft_wrap=True)
         return {"pass": EXIT_PASS, "fail": EXIT_FAIL}.get(verdict, EXIT_INVALID)
     message = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else (state.message or "")
     err_console.print(f"[bold red]run {run_id} failed:[/] {message}", highlight=False, soft_wrap=True)
@@ -243,7 +266,8 @@ def _finish(run_id: str, root: Path, state) -> int:
 
 
 def _run_flow(*, config: str | None, run_id: str, root: Path, overrides: list[str], rerun: list[str],
-              distributed: bool, retries: int, retry_delay: float, verbose: bool, from_hf: Path | None = None) -> int:
+              distributed: bool, retries: int, retry_delay: float, verbose: bool, from_hf: Path | None = None,
+              fail_fast: bool = True) -> int:
     _server_url(required=distributed)
     _quiet_prefect(verbose)
     from crossalign.flows.alignment import alignment
@@ -254,7 +278,7 @@ def _run_flow(*, config: str | None, run_id: str, root: Path, overrides: list[st
     with RunDisplay(run_id) as display, listening(display.handle):
         state = alignment(config=config, run_id=run_id, overrides=overrides, store=str(root), rerun=rerun,
                           mode=mode, retries=retries, retry_delay_s=retry_delay, return_state=True,
-                          from_hf=None if from_hf is None else str(from_hf.absolute()))
+                          from_hf=None if from_hf is None else str(from_hf.absolute()), fail_fast=fail_fast)
     return _finish(run_id, root, state)
 
 
@@ -274,6 +298,8 @@ def register(app: typer.Typer) -> None:
         verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's own log lines"),
         from_hf: Optional[Path] = typer.Option(None, "--from-hf", help="start from this Hugging Face checkpoint: "
                                                "step 1 imports it (cpu) instead of base training"),
+        fail_fast: bool = typer.Option(True, "--fail-fast/--no-fail-fast", help="stop both trainings as soon as "
+                                       "what they logged cannot pass any more (the site's fail_fast: false too)"),
     ) -> None:
         """Run the six-step alignment; prints the verdict. Exit 0 pass, 1 fail, 2 invalid or bad input."""
         from crossalign.config import ConfigError
@@ -293,7 +319,7 @@ def register(app: typer.Typer) -> None:
                 hf_start(from_hf)
         raise typer.Exit(_run_flow(config=config, run_id=run_id, root=root, overrides=overrides, rerun=[],
                                    distributed=distributed, retries=retries, retry_delay=retry_delay,
-                                   verbose=verbose, from_hf=from_hf))
+                                   verbose=verbose, from_hf=from_hf, fail_fast=fail_fast))
 
     @app.command("rerun")
     def rerun_command(
@@ -334,7 +360,9 @@ def register(app: typer.Typer) -> None:
             root = _store_root(store)
             runs = RunStore(root).runs()
             table = Table(title=f"runs in {RunStore(root).root}", title_justify="left")
-            for column in ("run", "model", "created", "steps done", "state", "verdict"):
+            # the id is what users copy into the next command: the other columns wrap, it never does
+            table.add_column("run", no_wrap=True, min_width=max((len(run.run_id) for run in runs), default=3))
+            for column in ("model", "created", "steps done", "state", "verdict"):
                 table.add_column(column)
             for run in runs:
                 info = run.info
@@ -386,9 +414,14 @@ def register(app: typer.Typer) -> None:
         if pool not in POOLS:
             err_console.print(f"[bold red]error:[/] --pool {pool!r} is not one of {', '.join(POOLS)}")
             raise typer.Exit(2)
-        with user_errors(SiteError, PatchError):
+        from crossalign.agents.worker import AgentAlreadyRunning, default_worker_name, hold_worker_lock
+
+        with user_errors(SiteError, PatchError, AgentAlreadyRunning):
             site_file = site_file or site_path()
             site = load_site(site_file)
+            name = name or default_worker_name(pool)
+            # before anything slow: a second worker of this name would double the pool
+            lock_fd = hold_worker_lock(pool, name, _server_url(required=False, site_file=site_file) or "")
             with console.status(f"probing this machine for the {pool} pool ..."):
                 checks = probe_pool(pool, site, apply_patches=not no_patch)
         table = Table("check", "found", "detail", title=f"pool {pool} on this machine", title_justify="left")
@@ -411,7 +444,7 @@ def register(app: typer.Typer) -> None:
         env = worker_environment(site, site_file)
         console.print(f"pool {pool}: {'created' if created else 'exists'}; store {env['CROSSALIGN_STORE']}; "
                       "starting the worker", highlight=False)
-        raise typer.Exit(run_worker(pool, env, name=name, limit=limit))
+        raise typer.Exit(run_worker(pool, env, name=name, limit=limit, lock_fd=lock_fd))
 
     @app.command("deploy")
     def deploy_command(prefect_file: Path = typer.Option(Path("prefect.yaml"), "--prefect-file",
@@ -419,16 +452,27 @@ def register(app: typer.Typer) -> None:
                        site_file: Optional[Path] = typer.Option(None, "--site", help="the site config, for its "
                                                                 "prefect_api_url (default: $CROSSALIGN_SITE or "
                                                                 "./crossalign.site.yaml)")) -> None:
-        """Create the orchestrator/npu/cpu/gpu pools if missing and deploy every flow of prefect.yaml."""
-        import subprocess
+        """Create the orchestrator/npu/cpu/gpu pools if missing, deploy every flow of prefect.yaml and turn on
+        the detection of flow runs whose machine died."""
+        import yaml
 
-        from crossalign.agents.worker import deploy
+        from crossalign.agents.automation import DEFAULT_ZOMBIE_AFTER_S
+        from crossalign.agents.worker import DeployError, deploy
         from crossalign.site import site_path
 
-        _server_url(required=True, site_file=site_file or site_path())
+        url = _server_url(required=True, site_file=site_file or site_path())
         _quiet_prefect(verbose=True)
-        with user_errors(FileNotFoundError, subprocess.CalledProcessError):
+        with user_errors(FileNotFoundError, DeployError):
             deploy(prefect_file)
+        deployments = yaml.safe_load(prefect_file.read_text()).get("deployments", [])
+        ui = url.rstrip("/").removesuffix("/api")
+        console.print(f"deployed {len(deployments)} deployments of {prefect_file} to {ui}; a flow run silent for "
+                      f"{DEFAULT_ZOMBIE_AFTER_S} s (its machine died) is marked Crashed and its step retried",
+                      highlight=False, soft_wrap=True)
+        console.print("next, on each machine, for its pools: crossalign agent start --pool orchestrator|npu|cpu|gpu",
+                      highlight=False, soft_wrap=True)
+        console.print(f"then: crossalign run qwen35_dense_tiny --distributed, or in the UI ({ui}): Deployments, "
+                      "alignment/dense-tiny, Run", highlight=False, soft_wrap=True)
 
     server_app = typer.Typer(name="server", help="The Prefect server the agents and the UI talk to.",
                              no_args_is_help=True)
@@ -465,6 +509,12 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_INVALID)
         if url is None and beyond_loopback:
             url = f"http://{socket.getfqdn()}:{port}"
+        if beyond_loopback and _is_loopback_url(url):
+            err_console.print(f"[bold red]error:[/] --host {host} serves other machines, but {url} is this machine's "
+                              "loopback address, which would send their agents and browsers to themselves: pass "
+                              f"--url http://ADDRESS:{port} with the name or address they reach this machine by",
+                              highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_INVALID)
         if data is None:
             data = Path("/var/lib/crossalign/server") if os.geteuid() == 0 else Path("~/.crossalign/server")
         data = data.expanduser().absolute()
@@ -516,9 +566,10 @@ def register(app: typer.Typer) -> None:
     @automations_app.command("install")
     def automations_install(
         webhook: Optional[str] = typer.Option(None, "--webhook", help="URL to call when a nightly run fails"),
-        zombie_after: int = typer.Option(600, "--zombie-after", help="seconds without heartbeat before a flow "
-                                         "run counts as crashed; keep it well above the heartbeat interval of "
-                                         "every flow on the server (crossalign's 60 s, Prefect's default 180 s)"),
+        zombie_after: int = typer.Option(90, "--zombie-after", help="seconds without heartbeat before a flow "
+                                         "run counts as crashed (as `crossalign deploy` sets it); keep it well "
+                                         "above the heartbeat interval of every flow on the server (crossalign's "
+                                         "30 s, Prefect's default 180 s)"),
     ) -> None:
         """Create (or replace) crossalign's automations on the Prefect server in PREFECT_API_URL."""
         from crossalign.agents.automation import AutomationError, install_automations

@@ -10,14 +10,13 @@ from __future__ import annotations
 import fcntl
 import subprocess
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import crossalign
 from crossalign.backends.base import DatasetFiles
 from crossalign.config import AlignmentConfig, load_config, resolve_config_path
-from crossalign.store import Run, RunStore, StoreError, dataset_fingerprint, sha256_file
+from crossalign.store import Run, RunStore, StoreError, dataset_fingerprint, new_run_id, sha256_file
 
 
 def resolve_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> tuple[AlignmentConfig, Path]:
@@ -51,7 +50,7 @@ def hf_start(directory: Path) -> dict[str, Any]:
 
 
 def default_run_id(config: AlignmentConfig) -> str:
-    return f"{config.model.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    return new_run_id(config.model.name)
 
 
 @contextmanager
