@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 SITE_ENV = "CROSSALIGN_SITE"
 STORE_ENV = "CROSSALIGN_STORE"  # overrides the site's store (agents set it for the flow runs they start)
 DEFAULT_SITE_FILE = "crossalign.site.yaml"
+STEP_SETUP_S = 3600.0  # the part of a step's default timeout that does not grow with its iterations
 
 
 class SiteError(ValueError):
@@ -93,6 +94,13 @@ class SiteConfig(_Strict):
     prefect_api_url: str | None = None
     report_url: str | None = Field(default=None, description="where `crossalign serve` publishes the store over "
                                    "HTTP, e.g. http://reports.example:8080/; artifacts and alerts link there")
+    step_timeout_s: float | None = Field(default=None, gt=0, description="give up on (and retry) a step whose flow "
+                                         "run has been running this long; default: derived from the run's config, "
+                                         "see iteration_timeout_s")
+    iteration_timeout_s: float = Field(default=120.0, gt=0, description="the most one training iteration may "
+                                       "take: a step's default timeout is an hour plus this per iteration it trains")
+    fail_fast: bool = Field(default=True, description="stop both alignment trainings as soon as what they logged "
+                            "cannot pass any more (false: they always finish and step 6 judges)")
 
     @field_validator("report_url")
     @classmethod
@@ -109,6 +117,13 @@ class SiteConfig(_Strict):
                 raise ValueError(f"backends.{pool}: {kind!r} cannot train on the {pool} pool "
                                  f"(choose {' or '.join(allowed[pool])})")
         return self
+
+    def step_timeout(self, step: str, iterations: int) -> float:
+        """Seconds a step's flow run may run: ``step_timeout_s``, else an hour of setup (imports, checkpoint
+        loading, compilation) plus ``iteration_timeout_s`` per training iteration of the step."""
+        if self.step_timeout_s is not None:
+            return self.step_timeout_s
+        return STEP_SETUP_S + iterations * self.iteration_timeout_s
 
     def framework(self, pool: str) -> FrameworkSite | None:
         """The real framework a pool's training steps use, or None where they run embedded (or the pool trains nothing)."""

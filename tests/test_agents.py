@@ -136,3 +136,46 @@ def test_flow_runs_start_as_one_engine_process_of_this_interpreter():
     assert found and Path(found).parent == Path(sys.executable).parent
     check = next(c for c in probe_pool("cpu", load_site(None)) if c.name == "flow-run interpreter")
     assert check.ok, check.detail
+
+
+def test_an_agent_name_is_locked_on_its_machine_while_its_agent_or_worker_lives(tmp_path, monkeypatch):
+    """The lock is held by a process (here a stand-in for a worker that outlived its agent, holding the
+    descriptor); a second agent of the same name, pool and server is refused; the lock is free once that
+    process is gone, and another server or name never collides."""
+    import os
+    import subprocess
+
+    from crossalign.agents.worker import LOCK_DIR_ENV, AgentAlreadyRunning, hold_worker_lock
+
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))
+    api = "http://127.0.0.1:4200/api"
+    fd = hold_worker_lock("gpu", "box-gpu", api)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(fd,))
+    os.close(fd)  # only the stand-in holds it now
+    try:
+        with pytest.raises(AgentAlreadyRunning, match=r"'box-gpu' of pool gpu .* already running.*agent pid"):
+            hold_worker_lock("gpu", "box-gpu", api)
+        os.close(hold_worker_lock("gpu", "box-gpu", "http://other:4200/api"))
+        os.close(hold_worker_lock("gpu", "box-gpu-2", api))
+    finally:
+        holder.kill()
+        holder.wait()
+    os.close(hold_worker_lock("gpu", "box-gpu", api))
+
+
+def test_every_step_has_a_default_timeout_from_its_config_and_the_site_overrides_it(tmp_path):
+    from crossalign.config import load_config
+    from crossalign.flows.launch import step_timeout
+    from crossalign.site import STEP_SETUP_S
+    from crossalign.store import RunStore
+
+    config = load_config("qwen35_dense_tiny")
+    run = RunStore(tmp_path).create_run("r1", config, config_source="x", parameters={}, code_version={})
+    site = SiteConfig.model_validate({"iteration_timeout_s": 10})
+    training = config.training
+    assert step_timeout(run, "megatron-train", site) == STEP_SETUP_S + 10 * training.train_iters
+    assert step_timeout(run, "base-train", site) == STEP_SETUP_S + 10 * training.base_train_iters
+    assert step_timeout(run, "convert", site) == STEP_SETUP_S
+    assert step_timeout(run, "pynative-train", SiteConfig.model_validate({"step_timeout_s": 90})) == 90
+    with pytest.raises(ValueError, match="step_timeout_s"):
+        SiteConfig.model_validate({"step_timeout_s": 0})

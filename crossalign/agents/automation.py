@@ -19,7 +19,9 @@ ZOMBIE = "crash-zombie-flow-runs.yaml"
 NIGHTLY = "nightly-failed.yaml"
 WEBHOOK_BLOCK = "crossalign-nightly-webhook"
 NIGHTLY_DEPLOYMENT = "nightly/nightly"
-DEFAULT_ZOMBIE_AFTER_S = 600  # ten heartbeats of crossalign's flows, three of Prefect's default 180 s
+# three heartbeats of crossalign's flows (PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 in prefect.yaml and the CLI,
+# the least Prefect accepts): a tiny run learns within two minutes that a machine died
+DEFAULT_ZOMBIE_AFTER_S = 90
 
 
 class AutomationError(ValueError):

@@ -14,6 +14,9 @@ the interpreter crossalign is installed in.
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import hashlib
 import os
 import signal
 import socket
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from crossalign.agents.probe import POOLS
 from crossalign.site import SITE_ENV, STORE_ENV, SiteConfig
@@ -66,12 +70,70 @@ def worker_environment(site: SiteConfig, site_file: Path | None) -> dict[str, st
     return env
 
 
+def default_worker_name(pool: str) -> str:
+    return f"{socket.gethostname()}-{pool}"
+
+
 def worker_argv(pool: str, name: str | None = None, limit: int | None = None) -> list[str]:
     argv = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
-            "--name", name or f"{socket.gethostname()}-{pool}"]
+            "--name", name or default_worker_name(pool)]
     if limit is not None:
         argv += ["--limit", str(limit)]
     return argv
+
+
+LOCK_DIR_ENV = "CROSSALIGN_AGENT_LOCKS"  # where the agents of this machine keep their lock files
+
+
+class AgentAlreadyRunning(RuntimeError):
+    """A worker of the same name, pool and server is alive on this machine: a second one would double the pool."""
+
+
+def lock_path(pool: str, name: str, api_url: str) -> Path:
+    """The lock file of the worker ``name`` of ``pool`` on the server at ``api_url``, on this machine."""
+    folder = Path(os.environ.get(LOCK_DIR_ENV) or Path.home() / ".crossalign" / "agents")
+    server = hashlib.sha256(api_url.rstrip("/").encode()).hexdigest()[:12]
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{pool}-{name}")
+    return folder / f"{safe}-{server}.lock"
+
+
+def hold_worker_lock(pool: str, name: str, api_url: str) -> int:
+    """Lock the worker's name on this machine for as long as this agent or its worker lives; returns the descriptor.
+
+    The lock is an flock, which the kernel drops when the last process holding the descriptor
+    ends, so a dead agent leaves no stale lock, while a worker that outlived its agent (it holds
+    the descriptor too, see ``run_worker``) still counts. Raises AgentAlreadyRunning otherwise.
+    """
+    path = lock_path(pool, name, api_url)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holders = path.read_text().strip().replace("\n", ", ") or "unknown pids"
+        os.close(fd)
+        raise AgentAlreadyRunning(f"a worker named {name!r} of pool {pool} for {api_url} is already running on this "
+                                  f"machine ({holders}; lock {path}): stop it first, or give this one another --name")
+    os.ftruncate(fd, 0)
+    os.write(fd, f"agent pid {os.getpid()}\n".encode())
+    return fd
+
+
+def _die_with_parent(parent_pid: int, prctl) -> Callable[[], None]:
+    """``preexec_fn`` of the worker: the kernel kills it (SIGKILL) when the agent that started it dies.
+
+    Without it, an agent killed with SIGKILL leaves its worker polling the pool, re-parented to
+    PID 1, and a restarted agent adds a second worker. SIGKILL, because a worker started from a
+    non-interactive shell ignores SIGINT and turns SIGTERM into SIGINT (prefect.md, worker signals).
+    """
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the agent died before the line above took effect
+            os._exit(1)
+    return preexec
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 # Prefect's worker answers SIGTERM by stopping its poll loop, then waits for its API calls and its
@@ -79,15 +141,24 @@ def worker_argv(pool: str, name: str | None = None, limit: int | None = None) ->
 STOP_GRACE_S = 4.0
 
 
-def run_worker(pool: str, env: dict[str, str], name: str | None = None, limit: int | None = None) -> int:
+def run_worker(pool: str, env: dict[str, str], name: str | None = None, limit: int | None = None,
+               lock_fd: int | None = None) -> int:
     """Run the worker as a child of this agent until it exits; returns its exit code.
 
     SIGTERM or SIGINT to the agent is passed on to the worker as SIGTERM; a worker still there
     ``STOP_GRACE_S`` later is killed, so the agent and its worker are gone within ten seconds.
-    Flow runs the worker started keep running; the server notices the ones that die (zombie
-    automation).
+    An agent killed outright takes its worker with it (Linux: the parent-death signal). The
+    worker keeps ``lock_fd`` (``hold_worker_lock``) open for as long as it lives. Flow runs the
+    worker started keep running; the server notices the ones that die (zombie automation).
     """
-    worker = subprocess.Popen(worker_argv(pool, name, limit), env={**os.environ, **env})
+    preexec = None
+    if sys.platform.startswith("linux"):
+        # looked up here: the child between fork and exec should do as little as it can
+        preexec = _die_with_parent(os.getpid(), ctypes.CDLL(None, use_errno=True).prctl)
+    worker = subprocess.Popen(worker_argv(pool, name, limit), env={**os.environ, **env}, preexec_fn=preexec,
+                              pass_fds=() if lock_fd is None else (lock_fd,))
+    if lock_fd is not None:
+        os.write(lock_fd, f"worker pid {worker.pid}\n".encode())
     stop_requested: list[tuple[int, float]] = []
 
     def stop(signum: int, _frame) -> None:  # only notes the request: the loop below does the waiting
@@ -113,11 +184,28 @@ def run_worker(pool: str, env: dict[str, str], name: str | None = None, limit: i
     os._exit(128 + signum)
 
 
-def deploy(prefect_file: Path) -> None:
-    """Create the four pools if missing, then ``prefect deploy --all`` from the file's folder."""
+class DeployError(RuntimeError):
+    """``prefect deploy`` refused the deployments file; carries the end of its output."""
+
+
+def deploy(prefect_file: Path) -> dict[str, str]:
+    """Create the four pools if missing, ``prefect deploy --all`` from the file's folder, then install crash detection.
+
+    Prefect's own output (a page of advice per deployment to start ``prefect worker start``,
+    which ``crossalign agent start`` does) is shown only when it fails. Returns the installed
+    automations, {name: id}: a deployed DAG without the zombie-run automation would wait forever
+    on a step whose machine died.
+    """
+    from crossalign.agents.automation import install_automations
+
     if not prefect_file.exists():
         raise FileNotFoundError(f"{prefect_file}: no such prefect.yaml")
     for pool in POOLS:
         ensure_pool(pool)
-    subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
-                    str(prefect_file.absolute())], cwd=prefect_file.absolute().parent, check=True)
+    done = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                           str(prefect_file.absolute())], cwd=prefect_file.absolute().parent, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-40:])
+        raise DeployError(f"prefect deploy of {prefect_file} failed ({done.returncode}):\n{tail}")
+    return install_automations()

@@ -70,6 +70,14 @@ def execute_subprocess(run: Run, step: str, reporter: StepReporter) -> dict[str,
     return manifest
 
 
+def step_timeout(run: Run, step: str, site: SiteConfig) -> float:
+    """The default limit on a step's flow run: the site's, or derived from the iterations the step trains."""
+    training = run.config.training
+    iterations = {"base-train": 0 if run.pool(step) == "cpu" else training.base_train_iters,
+                  "megatron-train": training.train_iters, "pynative-train": training.train_iters}.get(step, 0)
+    return site.step_timeout(step, iterations)
+
+
 def deployment_name(step: str, run: Run | None = None) -> str:
     """``<flow>/<deployment>`` of a step's deployment in prefect.yaml: the deployment is named after its pool
     (the run's, when given: step 1 of a run started from Hugging Face weights runs on cpu)."""
@@ -104,18 +112,28 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
                 attempt += 1  # an earlier attempt that failed, or whose output was invalidated since
                 continue
             reporter.logger.info(f"{step}: waiting for flow run {child.name} of {name} (key {key})")
+            _name_tracking_task_run(client, child, f"{step} on {run.pool(step)}")
             state = _wait_final(client, child, step, reporter, poll_interval, timeout_s)
             if state.is_completed():
                 if not run.is_done(step):
                     raise StepFailed(step, f"flow run {child.name} completed but the step's manifest is "
                                            f"missing or stale in {run.path}")
-                return run.manifest(step)
+                manifest = run.manifest(step)
+                _name_tracking_task_run(client, child, f"{step} on {run.pool(step)}, host {manifest['host']}")
+                return manifest
             detail = _failure_detail(run, step) or (state.message or "")
             where = f"flow run {child.name} of {name} ended {state.name}"
             attempt_record = run.attempt(step) or {}
             if state.is_crashed() or attempt_record.get("retryable"):
                 raise InfrastructureError(step, f"{where}: {detail}")
             raise StepFailed(step, f"{where}: {detail}")
+
+
+def _name_tracking_task_run(client, child, name: str) -> None:
+    """Name the task run by which the parent's graph and Task Runs tab show a step's flow run (Prefect gives
+    it a random name): the step, its pool and, once done, the machine it ran on."""
+    if child.parent_task_run_id is not None:
+        client.set_task_run_name(child.parent_task_run_id, name)
 
 
 @contextmanager
@@ -136,7 +154,12 @@ def _api_trouble_is_infrastructure(step: str) -> Iterator[None]:
 
 
 def _wait_final(client, child, step: str, reporter: StepReporter, poll_interval: float, timeout_s: float | None):
+    """The child's final state. ``timeout_s`` counts from when it started running (a child waiting for a worker
+    has not started); past it the child is cancelled (its worker ends the process) and the step may be retried."""
+    from prefect.states import Cancelling
+
     started = time.monotonic()
+    running_since = None
     warned_late = False
     while True:
         flow_run = client.read_flow_run(child.id)
@@ -144,9 +167,12 @@ def _wait_final(client, child, step: str, reporter: StepReporter, poll_interval:
         if state is not None and state.is_final():
             return state
         waited = time.monotonic() - started
-        if timeout_s is not None and waited > timeout_s:
-            raise InfrastructureError(step, f"flow run {child.name} still {state.name if state else '?'} "
-                                            f"after {timeout_s:.0f} s")
+        if running_since is None and state is not None and state.is_running():
+            running_since = time.monotonic()
+        if timeout_s is not None and running_since is not None and time.monotonic() - running_since > timeout_s:
+            message = f"still running after the step's limit of {timeout_s:.0f} s"
+            client.set_flow_run_state(child.id, Cancelling(message=message), force=True)
+            raise InfrastructureError(step, f"flow run {child.name} {message}; cancelled")
         if not warned_late and state is not None and state.is_scheduled() and waited > LATE_WARNING_S:
             warned_late = True
             reporter.logger.warning(f"{step}: flow run {child.name} has waited {waited:.0f} s for a worker: "
