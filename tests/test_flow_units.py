@@ -100,9 +100,13 @@ def test_prefect_yaml_routes_every_step_to_its_pool():
     assert spec["pull"] == []
 
 
-def test_run_forms_explain_every_parameter_and_offer_the_shipped_configs_and_steps():
-    """What the UI's run form shows is the flow's parameter schema: a description for every parameter,
-    the shipped configs as choices beside a free path, the six steps as the rerun form's choices."""
+def test_run_forms_explain_every_parameter_as_written_and_take_what_a_user_types():
+    """What the UI's run form shows is the flow's parameter schema: a description for every parameter, with
+    nothing the UI would read as HTML (it drops <model>); config and the configs/overrides items are plain
+    text fields (no "str | str" choice, no JSON quotes), the shipped configs named in the help; the six
+    steps are the rerun form's choices."""
+    import re
+
     from prefect.utilities.callables import parameter_schema
     from prefect.utilities.importtools import import_object
 
@@ -113,13 +117,35 @@ def test_run_forms_explain_every_parameter_and_offer_the_shipped_configs_and_ste
         properties = parameter_schema(import_object(entrypoint).fn).model_dump()["properties"]
         undocumented = [name for name, field in properties.items() if not field.get("description")]
         assert not undocumented, f"{entrypoint}: no description for {undocumented}"
+        tags = {name: field["description"] for name, field in properties.items()
+                if re.search(r"<[A-Za-z/!]", field["description"])}
+        assert not tags, f"{entrypoint}: the UI would drop these as HTML: {tags}"
     alignment = parameter_schema(import_object("crossalign.flows.alignment:alignment").fn).model_dump()
-    choices = alignment["properties"]["config"]["anyOf"]
-    assert choices[0]["enum"] == sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    assert {"type": "string"} in choices, "a config may also be a path"
+    config = alignment["properties"]["config"]
+    assert config["anyOf"] == [{"type": "string"}, {"type": "null"}], config
+    shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    assert all(name in config["description"] for name in shipped), config["description"]
+    assert "MODEL-YYYYMMDD-HHMMSS-XXXX" in alignment["properties"]["run_id"]["description"]
+    nightly = parameter_schema(import_object("crossalign.flows.nightly:nightly").fn).model_dump()
+    for schema, name in ((alignment, "overrides"), (nightly, "configs"), (nightly, "overrides")):
+        assert schema["properties"][name]["anyOf"][0] == {"items": {"type": "string"}, "type": "array"}, name
     rerun = parameter_schema(import_object("crossalign.flows.alignment:rerun").fn).model_dump()
     assert rerun["required"] == ["run_id", "step"]
     assert rerun["properties"]["step"]["enum"] == list(STEP_NAMES)
+
+
+def test_form_lists_take_items_with_or_without_quotes_and_errors_name_the_form_field():
+    from crossalign.flows.alignment import as_typed, form_error
+    from crossalign.tasks.prepare import resolve_config
+
+    assert as_typed(['"training.train_iters=10"', " training.seq_length=64 ", "'qwen35_moe_tiny'", "", '""']) == [
+        "training.train_iters=10", "training.seq_length=64", "qwen35_moe_tiny"]
+    assert as_typed(None) == []
+    for bad in (["training.trian_iters=3"], ["training.train_iters"], ["training.train_iters=0"]):
+        with pytest.raises(ConfigError) as raised:
+            resolve_config("qwen35_dense_tiny", bad)
+        assert "--set" not in form_error(raised.value) and "overrides" in form_error(raised.value), form_error(
+            raised.value)
 
 
 def _summary(verdict: str, lm: float, mtp: float) -> dict:

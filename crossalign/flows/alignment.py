@@ -22,26 +22,26 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.runtime import flow_run as current_flow_run
-from prefect.states import Completed, State
+from prefect.states import Completed, Failed, State
 
 from crossalign.backends.base import DatasetFiles
 from crossalign.backends.preflight import preflight_config
-from crossalign.config import CONFIG_DIR, ConfigError
+from crossalign.config import ConfigError, OverrideError
 from crossalign.data.order import side_settings
 from crossalign.data.preflight import compare_sample_order
 from crossalign.flows.events import StepEvent, emit
-from crossalign.flows.launch import execute_deployment, execute_subprocess
+from crossalign.flows.launch import execute_deployment, execute_subprocess, step_timeout
+from crossalign.flows.live import stop_error, stopped_outcome, watch_training
 from crossalign.flows.reporting import StepReporter
 from crossalign.flows.retry import backoff_delays, retry_on_infrastructure
 from crossalign.flows.summary import publish_compare, run_url, steps_table
 from crossalign.site import load_site
-from crossalign.store import STEP_NAMES, STEPS, RunStore, step_spec
-from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed, VerdictFailed
+from crossalign.store import STEP_NAMES, STEPS, RunStore, new_run_id, step_spec
+from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed
 from crossalign.tasks.prepare import prepare_run, resolve_config
+from crossalign.tasks.stop import clear_live
 
 Mode = Literal["distributed", "embedded"]
-# the choices of the run forms in the UI (a config may also be a path)
-ShippedConfig = Literal[tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))]  # type: ignore[valid-type]
 StepName = Literal[STEP_NAMES]  # type: ignore[valid-type]
 PREFLIGHT_BATCHES = 3  # global batches whose token digests must agree between the two sides
 
@@ -110,6 +110,8 @@ def step_task(store: str, run_id: str, step: str, mode: Mode, poll_interval_s: f
     """
     logger = get_run_logger()
     run = RunStore(store).run(run_id)
+    if timeout_s is None:
+        timeout_s = step_timeout(run, step, load_site())
     damaged = run.damaged_outputs(step, checksums=checksums)  # read once: sha256 reads whole checkpoints
     if not damaged and run.is_done(step):
         manifest = run.manifest(step)
@@ -128,7 +130,10 @@ def step_task(store: str, run_id: str, step: str, mode: Mode, poll_interval_s: f
         else:
             manifest = execute_deployment(run, step, reporter, poll_interval=poll_interval_s, timeout_s=timeout_s)
     except (StepFailed, InfrastructureError) as exc:
-        emit(StepEvent(step, "failed", message=str(exc)))
+        error = stop_error(run, step, exc)  # a training stopped early is not retried
+        emit(StepEvent(step, "failed", message=str(error)))
+        if error is not exc:
+            raise error from exc
         raise
     emit(StepEvent(step, "done", host=manifest["host"], seconds=manifest["seconds"]))
     return _brief(manifest)
@@ -138,23 +143,45 @@ def _brief(manifest: dict[str, Any]) -> dict[str, Any]:
     return {key: manifest[key] for key in ("step", "host", "seconds", "finished")}
 
 
+def as_typed(items: list[str] | None) -> list[str]:
+    """A list parameter as the user meant it: each item stripped of blanks and of the quotes the UI's list field
+    takes literally (a form item typed as "training.train_iters=10" keeps its quotes), empty items dropped."""
+    cleaned = []
+    for item in items or []:
+        item = item.strip()
+        if len(item) >= 2 and item[0] == item[-1] and item[0] in "\"'":
+            item = item[1:-1].strip()
+        if item:
+            cleaned.append(item)
+    return cleaned
+
+
+def form_error(exc: ConfigError) -> str:
+    """A config or override error in the words of the run form (its fields are config and overrides)."""
+    text = str(exc).replace(" with --set ", " with overrides ")
+    if isinstance(exc, OverrideError) and text.startswith("--set "):
+        text = "overrides: " + text.removeprefix("--set ")
+    return text
+
+
 @flow(name="alignment")
-def alignment(config: ShippedConfig | str | None = "qwen35_dense_tiny", run_id: str | None = None,
+def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = None,
               overrides: list[str] | None = None, store: str | None = None, rerun: list[StepName] | None = None,
               mode: Mode = "distributed", dataset_prefix: str | None = None, tokenizer: str | None = None,
               retries: int = 2, retry_delay_s: float = 10.0, step_timeout_s: float | None = None,
-              poll_interval_s: float = 0.5, from_hf: str | None = None) -> State:
+              poll_interval_s: float = 0.5, from_hf: str | None = None, fail_fast: bool = True) -> State:
     """Run the six-step alignment of a model config; fails unless the verdict is "pass".
 
     The flow run is named after the run id; its final state message carries the verdict.
 
     Args:
-        config: A shipped config, or the path of a config YAML on the orchestrator's machine.
-            Empty: reopen the existing run_id as it was.
+        config: A shipped config (qwen35_dense, qwen35_dense_tiny, qwen35_moe, qwen35_moe_tiny) or
+            the path of a config YAML on the orchestrator's machine. Empty: reopen the existing
+            run_id as it was.
         run_id: The run in the store: resume it (finished steps are skipped). Empty: a new run
-            named <model>-<flow run id>.
-        overrides: Config changes, one KEY=VALUE each, validated like the config file
-            (training.train_iters=10).
+            named MODEL-YYYYMMDD-HHMMSS-XXXX (when it started, and four random hex digits).
+        overrides: Config changes, one KEY=VALUE per item, validated like the config file when
+            the run starts (training.train_iters=10).
         store: The run store every agent mounts. Empty: the site config's store.
         rerun: Steps to redo, with everything downstream of them.
         mode: distributed: each step a flow run on its pool's workers; embedded: every step a
@@ -164,22 +191,31 @@ def alignment(config: ShippedConfig | str | None = "qwen35_dense_tiny", run_id: 
         tokenizer: The tokenizer.json of dataset_prefix.
         retries: Attempts per step after an infrastructure failure (never after a bad input).
         retry_delay_s: Seconds before the first retry of a step, tripled for each further one.
-        step_timeout_s: Give up on a step's flow run after this many seconds. Empty: no limit.
+        step_timeout_s: Give up on (and retry) a step whose flow run has run this many seconds.
+            Empty: the site config's step_timeout_s, else an hour plus iteration_timeout_s
+            for each iteration the step trains.
         poll_interval_s: Seconds between looks at a step's flow run.
         from_hf: A Hugging Face checkpoint folder (every agent's path) to start from: step 1
             imports it on the cpu pool instead of base training. Empty: base training.
+        fail_fast: Stop both trainings (steps 4 and 5) as soon as what they logged cannot pass
+            any more, and end the run fail (off here or in the site config: both always finish).
     """
-    if config is not None:  # a bad config or override fails here, named
-        model = resolve_config(config, overrides or [])[0].model.name
-    if run_id is None:
-        if config is None:
-            raise ConfigError("give a config, or the run_id of an existing run to reopen")
-        run_id = f"{model}-{str(current_flow_run.get_id())[:8]}"
-    name_flow_run(run_id)
-    return _align(config=config, run_id=run_id, overrides=list(overrides or []), store=store,
+    overrides = as_typed(overrides)
+    config = config.strip() if config and config.strip() else None
+    try:
+        if run_id is None:
+            if config is None:
+                raise ConfigError("config: give a config, or the run_id of an existing run to reopen")
+            run_id = new_run_id(resolve_config(config)[0].model.name)
+        name_flow_run(run_id)
+        if config is not None:  # a bad config or override fails here, named as in the form
+            resolve_config(config, overrides)
+    except ConfigError as exc:
+        return Failed(message=form_error(exc), data=exc)
+    return _align(config=config, run_id=run_id, overrides=overrides, store=store,
                   rerun=list(rerun or []), mode=mode, dataset_prefix=dataset_prefix, tokenizer=tokenizer,
                   retries=retries, retry_delay_s=retry_delay_s, step_timeout_s=step_timeout_s,
-                  poll_interval_s=poll_interval_s, from_hf=from_hf)
+                  poll_interval_s=poll_interval_s, from_hf=from_hf, fail_fast=fail_fast)
 
 
 @flow(name="rerun", flow_run_name="{run_id}-rerun-{step}")
@@ -195,7 +231,9 @@ def rerun(run_id: str, step: StepName, store: str | None = None, retries: int = 
         store: The run store every agent mounts. Empty: the site config's store.
         retries: Attempts per step after an infrastructure failure (never after a bad input).
         retry_delay_s: Seconds before the first retry of a step, tripled for each further one.
-        step_timeout_s: Give up on a step's flow run after this many seconds. Empty: no limit.
+        step_timeout_s: Give up on (and retry) a step whose flow run has run this many seconds.
+            Empty: the site config's step_timeout_s, else an hour plus iteration_timeout_s
+            for each iteration the step trains.
         poll_interval_s: Seconds between looks at a step's flow run.
     """
     root = RunStore(store or load_site().store)
@@ -207,8 +245,10 @@ def rerun(run_id: str, step: StepName, store: str | None = None, retries: int = 
 
 def _align(*, config: str | None, run_id: str, overrides: list[str], store: str | None, rerun: list[str],
            mode: Mode, dataset_prefix: str | None, tokenizer: str | None, retries: int, retry_delay_s: float,
-           step_timeout_s: float | None, poll_interval_s: float, from_hf: str | None = None) -> State:
-    """The DAG in the current flow run (alignment or rerun); Completed with the verdict, else raises."""
+           step_timeout_s: float | None, poll_interval_s: float, from_hf: str | None = None,
+           fail_fast: bool = True) -> State:
+    """The DAG in the current flow run (alignment or rerun): Completed with a passing verdict, Failed with any
+    other (an expected outcome, told in the state message, not an exception); raises when a step failed."""
     from prefect.artifacts import create_table_artifact
 
     logger = get_run_logger()
@@ -220,19 +260,25 @@ def _align(*, config: str | None, run_id: str, overrides: list[str], store: str 
     root = str(RunStore(store or load_site().store).root)
     run_id = prepare(root, config, run_id, overrides, dataset, rerun, mode, from_hf)
     preflight(root, run_id)
+    clear_live(RunStore(root).run(run_id))  # an earlier flow run's stop request must not stop this one
 
     # on a retry or a rerun, outputs may have been damaged since they were committed
     checksums = bool(rerun) or (current_flow_run.run_count or 1) > 1
     launcher = step_task.with_options(retries=retries, retry_delay_seconds=backoff_delays(retry_delay_s, retries))
     futures: dict[str, Any] = {}
     for spec in STEPS:
-        futures[spec.name] = launcher.with_options(task_run_name=spec.name).submit(
+        # the task's own name too: Prefect names a task run that waits for its inputs after its task
+        futures[spec.name] = launcher.with_options(name=spec.name, task_run_name=spec.name).submit(
             root, run_id, spec.name, mode, poll_interval_s, step_timeout_s, checksums,
             wait_for=[futures[name] for name in spec.inputs])
+    stopped = watch_training(RunStore(root).run(run_id), futures, mode=mode, poll_interval_s=poll_interval_s,
+                             fail_fast=fail_fast and load_site().fail_fast, logger=logger)
     wait(list(futures.values()))
 
     run = RunStore(root).run(run_id)
     create_table_artifact(steps_table(run), key="alignment-steps", description=f"run {run_id} in {run.path}")
+    if stopped is not None and stopped.rule != "failed":  # a failed side is told by its own error below
+        return stopped_outcome(run, stopped, logger)
     for spec in STEPS:
         state = futures[spec.name].state
         if state.is_failed() or state.is_crashed():
@@ -245,9 +291,13 @@ def _align(*, config: str | None, run_id: str, overrides: list[str], store: str 
     verdict = summary.get("verdict")
     report = run.step_dir("compare") / "report.html"
     where = run_url(run, report) or str(report)
-    logger.info(f"run {run_id}: verdict {verdict}; report {where}")
+    message = f"run {run_id}: verdict {verdict}; report {where}"
+    reasons = summary.get("reasons") or []
+    if verdict != "pass" and reasons:
+        message += " (" + "; ".join(str(reason) for reason in reasons) + ")"
+    logger.info(message)
+    outcome = {"run_id": run_id, "verdict": verdict, "report_dir": str(run.step_dir("compare")), "report": where,
+               "summary": summary}
     if verdict != "pass":
-        raise VerdictFailed(str(verdict), f"run {run_id}: verdict {verdict}; report {where}")
-    return Completed(message=f"run {run_id}: verdict {verdict}; report {where}",
-                     data={"run_id": run_id, "verdict": verdict, "report_dir": str(run.step_dir("compare")),
-                           "report": where, "summary": summary})
+        return Failed(message=message, data=outcome)
+    return Completed(message=message, data=outcome)

@@ -3,24 +3,25 @@
 Each model runs as an alignment subflow with the run id ``nightly-<date>-<model>`` (so a
 re-triggered night resumes instead of starting over). The history lives in
 ``<store>/nightly/history.json`` with a trend plot ``trend.png`` beside it, shown in the UI as an
-image where the site names a report server. The flow run is named ``nightly-<date>``; it fails
+image where the site names a report server. The flow run is named ``nightly-<date>``; it ends Failed
 when any model fails or regresses, which is what the nightly failure automation alerts on (its
-message, which the alert carries, links the trend plot).
+message, which the alert carries, names the problems and links the trend plot), and Completed
+with a one-line message otherwise.
 """
 
 from __future__ import annotations
 
 from datetime import date, datetime, timezone
-from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.states import Completed, Failed, State
 
-from crossalign.flows.alignment import Mode, ShippedConfig, alignment, name_flow_run
+from crossalign.config import ConfigError
+from crossalign.flows.alignment import Mode, alignment, as_typed, form_error, name_flow_run
 from crossalign.report.serve import store_url
 from crossalign.site import load_site
 from crossalign.store import RunStore, read_json
 from crossalign.tasks.compare import SUMMARY
-from crossalign.tasks.errors import StepFailed
 from crossalign.tasks.prepare import resolve_config
 from crossalign.tasks.regression import (
     DEFAULT_FLOOR,
@@ -35,24 +36,17 @@ from crossalign.tasks.regression import (
 )
 
 
-class NightlyRegression(StepFailed):
-    """A night whose alignment failed or got worse than the night before."""
-
-    def __init__(self, problems: list[str], trend: str):
-        super().__init__("nightly", "; ".join(problems) + f" (trend: {trend})")
-        self.problems = problems
-
-
 @flow(name="nightly")
-def nightly(configs: list[ShippedConfig | str] | None = None, overrides: list[str] | None = None,
+def nightly(configs: list[str] | None = None, overrides: list[str] | None = None,
             store: str | None = None, mode: Mode = "distributed", night: str | None = None,
             tolerance: float = DEFAULT_TOLERANCE, floor: float = DEFAULT_FLOOR, retries: int = 2,
-            retry_delay_s: float = 30.0) -> dict[str, Any]:
+            retry_delay_s: float = 30.0) -> State:
     """Align each config and fail on a regression against the previous night.
 
     Args:
-        configs: Shipped configs or config YAML paths to align. Empty: qwen35_dense and qwen35_moe.
-        overrides: Config changes for every config, one KEY=VALUE each (training.train_iters=10).
+        configs: Shipped configs (qwen35_dense, qwen35_dense_tiny, qwen35_moe, qwen35_moe_tiny) or
+            config YAML paths to align, one per item. Empty: qwen35_dense and qwen35_moe.
+        overrides: Config changes for every config, one KEY=VALUE per item (training.train_iters=10).
         store: The run store every agent mounts. Empty: the site config's store.
         mode: distributed: each step a flow run on its pool's workers; embedded: local processes.
         night: The night (YYYY-MM-DD) that names the runs and the history entries. Empty: today in UTC.
@@ -64,20 +58,24 @@ def nightly(configs: list[ShippedConfig | str] | None = None, overrides: list[st
     from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
     logger = get_run_logger()
-    configs = configs or ["qwen35_dense", "qwen35_moe"]
+    configs = as_typed(configs) or ["qwen35_dense", "qwen35_moe"]
+    overrides = as_typed(overrides)
     today = date.fromisoformat(night) if night else datetime.now(timezone.utc).date()
     name_flow_run(f"nightly-{today:%Y%m%d}")
-    for config in configs:  # a bad config or override fails the night before any run starts
-        resolve_config(config, overrides or [])
+    try:
+        for config in configs:  # a bad config or override fails the night before any run starts
+            resolve_config(config, overrides)
+    except ConfigError as exc:
+        return Failed(message=form_error(exc), data=exc)
     root = RunStore(store or load_site().store)
     history_path = root.root / "nightly" / "history.json"
     history = load_history(history_path)
 
     entries, problems = [], []
     for config in configs:
-        model = resolve_config(config, overrides or [])[0].model.name
+        model = resolve_config(config, overrides)[0].model.name
         run_id = f"nightly-{today:%Y%m%d}-{model}"
-        state = alignment(config=config, run_id=run_id, overrides=list(overrides or []), store=str(root.root),
+        state = alignment(config=config, run_id=run_id, overrides=overrides, store=str(root.root),
                           mode=mode, retries=retries, retry_delay_s=retry_delay_s, return_state=True)
         summary, error = None, None
         if root.exists(run_id) and root.run(run_id).is_done("compare"):
@@ -105,6 +103,10 @@ def nightly(configs: list[ShippedConfig | str] | None = None, overrides: list[st
         key="nightly-report", description="regressions against the previous night")
     if trend_url:
         create_image_artifact(image_url=trend_url, key="nightly-trend", description="relative errors, night by night")
+    outcome = {"night": today.isoformat(), "entries": entries, "history": str(history_path), "trend": str(trend)}
     if problems:
-        raise NightlyRegression(problems, trend_url or str(trend))
-    return {"night": today.isoformat(), "entries": entries, "history": str(history_path), "trend": str(trend)}
+        return Failed(message=f"nightly {today}: " + "; ".join(problems) + f" (trend: {trend_url or trend})",
+                      data=outcome)
+    verdicts = ", ".join(f"{entry['model']} {entry['verdict']}" for entry in entries)
+    return Completed(message=f"nightly {today}: {verdicts}; no regression (trend: {trend_url or trend})",
+                     data=outcome)

@@ -8,6 +8,7 @@ from typing import Any
 from pathlib import Path
 
 from crossalign.report.artifacts import publish_artifacts
+from crossalign.report.units import duration_text, size_text
 from crossalign.report.serve import store_url
 from crossalign.site import load_site
 from crossalign.store import Run
@@ -35,6 +36,6 @@ def steps_table(run: Run) -> list[dict[str, Any]]:
     for state in run.states():
         outputs = (state.manifest or {}).get("outputs", [])
         rows.append({"step": state.spec.dirname, "pool": run.pool(state.spec.name), "state": state.status,
-                     "host": state.host, "seconds": state.seconds,
-                     "outputs": len(outputs), "bytes": sum(o["size"] for o in outputs)})
+                     "host": state.host, "time": duration_text(state.seconds),
+                     "outputs": len(outputs), "size": size_text(sum(o["size"] for o in outputs)) if outputs else ""})
     return rows

@@ -1,6 +1,6 @@
 """The two ways a step can fail, because they call for opposite reactions.
 
-``StepFailed`` is deterministic (bad input, a broken checkpoint, a failed verdict): running the
+``StepFailed`` is deterministic (bad input, a broken checkpoint): running the
 same step again gives the same failure, so the orchestrator never retries it.
 ``InfrastructureError`` is the machine's fault (a killed process, a lost worker, a dropped SSH
 connection): the same step may well succeed on the next attempt, so it is retried with backoff.
@@ -20,14 +20,6 @@ class StepFailed(Exception):
     def __init__(self, step: str, message: str):
         super().__init__(f"step {step}: {message}")
         self.step = step
-
-
-class VerdictFailed(StepFailed):
-    """The comparison ran and its verdict is not "pass"."""
-
-    def __init__(self, verdict: str, message: str):
-        super().__init__("compare", message)
-        self.verdict = verdict
 
 
 class InfrastructureError(RuntimeError):
