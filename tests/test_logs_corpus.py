@@ -88,3 +88,15 @@ def test_a_step_mark_without_its_record_is_named(tmp_path):
     df = parse_log(path, core_version="0.15.0")
     assert len(df) == 6 and [u["line"] for u in df.attrs["unreadable"]] == [3]
     assert "no 'M |'" in df.attrs["unreadable"][0]["why"]
+
+
+def test_a_wrap_inside_the_aux_loss_name_invents_no_column_and_no_missing_loss():
+    df = parse_log(CORPUS / "megatron_wrapped_in_word.log", core_version="0.15.0")
+    assert df.attrs["extra_losses"] == [] and not df["aux_loss"].isna().any()
+    assert df.attrs["notes"] == [] and df.attrs["unreadable"] == []
+
+
+def test_a_print_glued_after_a_complete_record_leaves_the_record_whole():
+    df = parse_log(CORPUS / "megatron_glued_print.log", core_version="0.15.0")
+    assert list(df.columns) == ["step", "lm_loss", "aux_loss", "lr", "grad_norm", "step_time_ms"]
+    assert [u["line"] for u in df.attrs["unreadable"]] == [4]  # the record cut before its end, not the glued ones

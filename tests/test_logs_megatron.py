@@ -135,3 +135,18 @@ def test_cut_off_last_line_is_dropped(tmp_path):
     df = parse_log(path)
     assert df["step"].tolist() == [1, 2, 3, 4]
     assert any("cut off" in n for n in df.attrs["notes"])
+
+
+@pytest.mark.parametrize("cut_after, losses, column", [
+    ("my_router_lo", {"lm loss": 3.0, "my_router_loss": 0.25}, "my_router_loss"),  # an unknown extra loss
+    ("mtp_1 lo", {"lm loss": 3.0, "mtp_1 loss": 3.5}, "mtp_1_loss"),
+    ("nsp", {"lm loss": 3.0, "nsp loss": 0.6}, "nsp_loss"),  # the break ate the space
+])
+def test_a_record_wrapped_inside_a_field_name_is_rejoined_by_the_name(tmp_path, cut_after, losses, column):
+    line = megatron_line(1, 2, consumed_samples=8, elapsed_ms=5.0, learning_rate=1e-5, global_batch_size=8,
+                         losses=losses, grad_norm=2.5)
+    at = line.index(cut_after) + len(cut_after)
+    rest = line[at:].removeprefix(" ")
+    df = parse_megatron_log(write_log(tmp_path / "wrapped.log", [line[:at], rest]), core_version="0.15.0")
+    assert df[column].tolist() == [list(losses.values())[1]] and df["grad_norm"].tolist() == [2.5]
+    assert not df.attrs["unreadable"] and not df.attrs["notes"]

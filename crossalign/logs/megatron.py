@@ -4,7 +4,9 @@ A record is a line holding ``iteration N/ M |`` followed by ``|``-separated fiel
 it is read as published logs show it: no timestamp, `` [date]``, ``[date]``, launcher rank tags
 (``[default3]: ``, ``[host:rank]: ``), MindSpeed's ``INFO [date] >>  ``; elapsed time in ms or s; the
 2019 form without colons (``lm loss 1.0E+01``); extra fields whose values hold colons or spaces; a
-record wrapped over two lines. Every record is read on its own, so a field missing from one record
+record wrapped over two lines, at a space or inside a word (``load_bal`` / ``ancing_loss: ...``: the two
+pieces are joined as the field name they spell, see ``_rejoin``); another process's print glued on after
+a record's closing field (the record is read up to that field). Every record is read on its own, so a field missing from one record
 (no ``lm loss`` when every iteration of the interval was skipped, no ``grad norm``) is NaN there and
 nowhere else. Validation lines, DeepSpeed's ``steps: N loss: X``, memory and timer lines are not records.
 
@@ -29,6 +31,7 @@ the checkpoint", a start from random weights) makes the run invalid: ``attrs["in
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +58,17 @@ _MTP_LABEL_RE = re.compile(r"mtp_(\d+) loss$")
 _FIXED = {"lm loss": "lm_loss", "learning rate": "lr", "grad norm": "grad_norm",
           "elapsed time per iteration (ms)": "step_time_ms", "elapsed time per iteration (s)": "step_time_s"}
 _LINE_START_RE = re.compile(r"\s*(?:\[|INFO\b|WARNING\b|ERROR\b|\d{4}-\d\d-\d\d)")
+# The labels upstream ``training_log`` prints besides the losses (megatron/training/training.py, core_v0.16.1
+# L2033-2088; NVIDIA/Megatron-LM main L3567-3641) and those of the forks in tests/fixtures/logformats. A
+# label cut by a line wrap is rejoined as the one of these, or of the log's other records, it spells.
+KNOWN_LABELS = frozenset({
+    *_FIXED, *AUX_LOSS_NAMES, "consumed samples", "skipped samples", "throughput per GPU (TFLOP/s/GPU)",
+    "energy per GPU (J/iter/GPU)", "power per GPU (W/GPU)", "global batch size", "loss scale", "num zeros",
+    "params norm", "number of skipped iterations", "number of nan iterations", "z_loss", "nsp loss", "sop loss",
+    "consumed tokens", "actual seqlen", "samples per second", "TFLOPs",
+})
+# The field upstream prints last in every record: a record that holds it is complete.
+CLOSING_LABEL = "number of nan iterations"
 
 
 def split_fields(body: str) -> list[tuple[str, str]]:
@@ -142,21 +156,27 @@ def _fast(segment: str, count: int) -> tuple[np.ndarray, dict[str, np.ndarray], 
 
 def _slow(segment: str, offset: int, text: str, notes: list[str],
           unreadable: list[dict]) -> tuple[np.ndarray, dict[str, np.ndarray], _Columns]:
-    """Record by record: rank tags, wrapped records, any field order; names what cannot be read."""
+    """Record by record: rank tags, wrapped records, glued prints, any field order; names what cannot be read."""
+    found = [(m, split_fields(m[3]) if m[3].rstrip().endswith("|") else None) for m in _RECORD_RE.finditer(segment)]
+    whole = [fields for _, fields in found if fields is not None]
+    known = KNOWN_LABELS | {label for fields in whole for label, _ in fields}
+    closing = _closing_label(whole)
     records = []
-    for match in _RECORD_RE.finditer(segment):
-        body = match[3]
-        if not body.rstrip().endswith("|"):
-            end = segment.find("\n", match.end() + 1)
-            following = segment[match.end() + 1: end if end >= 0 else len(segment)]
-            continued = RANK_TAG_RE.sub("", following, count=1)
-            if "|" in continued and not ITERATION_RE.search(continued) and not _LINE_START_RE.match(continued):
-                body = body.rstrip() + " " + continued.strip()
+    for match, fields in found:
+        if fields is None:
+            body = match[3]
+            fields = split_fields(body)
+            labels = [label for label, _ in fields]
+            if closing in labels:  # complete: what follows its last '|' is another process's print
+                fields = fields[: len(labels) - labels[::-1].index(closing)]
             else:
-                _unreadable(unreadable, text, offset + match.start(), "the record stops without its closing '|'")
-                continue
+                continued = _continuation(segment, match.end())
+                if continued is None:
+                    _unreadable(unreadable, text, offset + match.start(), "the record stops without its closing '|'")
+                    continue
+                fields = split_fields(_rejoin(body, continued, known))
         tag = RANK_TAG_RE.match(match[1])
-        records.append((offset + match.start(), int(match[2]), tag[1] if tag else "", split_fields(body)))
+        records.append((offset + match.start(), int(match[2]), tag[1] if tag else "", fields))
     columns = _Columns({label for *_, fields in records for label, _ in fields})
     steps, tags, rows = [], [], []
     for at, step, tag, fields in records:
@@ -183,6 +203,55 @@ def _slow(segment: str, offset: int, text: str, notes: list[str],
     names = dict.fromkeys(name for row in rows for name in row)
     values = {name: np.array([row.get(name, NAN) for row in rows], dtype=np.float64) for name in names}
     return np.array(steps, dtype=np.int64)[keep], values, columns
+
+
+def _closing_label(whole: list[list[tuple[str, str]]]) -> str:
+    """The label the log's complete records end with (a fork may print fields after upstream's last)."""
+    last = Counter(fields[-1][0] for fields in whole if fields).most_common(1)
+    return last[0][0] if last else CLOSING_LABEL
+
+
+def _continuation(segment: str, end: int) -> str | None:
+    """The line after a record cut without its closing '|', when it reads as the rest of that record:
+    it holds a '|', no record of its own, and does not start like a new log line."""
+    stop = segment.find("\n", end + 1)
+    following = RANK_TAG_RE.sub("", segment[end + 1: stop if stop >= 0 else len(segment)], count=1)
+    if "|" in following and not ITERATION_RE.search(following) and not _LINE_START_RE.match(following):
+        return following
+    return None
+
+
+def _rejoin(body: str, continued: str, known: frozenset[str] | set[str]) -> str:
+    """A record wrapped over two lines, joined where the wrap cut it.
+
+    A wrap at a space keeps the space. A wrap inside a word (a terminal or pager cutting at its width) or
+    one that ate the space cannot be told apart by the characters: ``load_bal`` / ``ancing_loss`` wants no
+    space, ``number of nan`` / ``iterations`` one. The field cut by the wrap decides: the joining whose label
+    Megatron prints (``KNOWN_LABELS``, an MTP loss, a label of the log's other records), then whose value is a
+    number, then whose label is a loss name (an unknown extra loss); a space when nothing tells them apart.
+    """
+    head, tail = body.rstrip("\r"), continued.rstrip()
+    if head != head.rstrip() or tail != tail.lstrip():
+        return head.rstrip() + " " + tail.strip()
+    before, after = head.rsplit("|", 1)[-1], tail.split("|", 1)[0]
+
+    def score(sep: str) -> tuple[bool, bool, bool]:
+        field = split_fields(before + sep + after + "|")
+        if not field:
+            return False, False, False
+        label, value = field[0]
+        return (label in known or _MTP_LABEL_RE.match(label) is not None, _is_number(value), label.endswith("loss"))
+
+    sep = max((" ", ""), key=score)  # max keeps the first of equals: the space
+    return head + sep + tail
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _unreadable(unreadable: list[dict], text: str, at: int, why: str) -> None:
