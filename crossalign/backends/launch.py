@@ -45,6 +45,7 @@ class RunScript:
     checks: Sequence[Sequence[str]] = ()  # commands run in cwd before the command; one that fails stops the script
     staged_in: Path | None = None  # the step's staging folder the paths below name
     published_as: Path | None = None  # ... and the folder it becomes when the step commits
+    path_prepend: Sequence[str] = ()  # folders put first on PATH (the framework's own python3, for its builds)
 
     def render(self) -> str:
         lines = ["#!/usr/bin/env bash", f"# {self.title}"]
@@ -57,6 +58,8 @@ class RunScript:
             lines.append("# Written by crossalign; run it again by hand with: bash " + shlex.quote("<this file>"))
         lines.append("set -euo pipefail")
         lines += [f"export {key}={shlex.quote(str(value))}" for key, value in sorted(self.env.items())]
+        if self.path_prepend:
+            lines.append(f'export PATH={shlex.quote(":".join(map(str, self.path_prepend)))}:"$PATH"')
         lines.append(f"cd {shlex.quote(str(self.cwd))}")
         for name in self.required_files:
             where = re.sub(r'([\\"$`])', r"\\\1", f"{self.cwd}/{name}")

@@ -28,7 +28,7 @@ import subprocess
 import time
 import tomllib
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from packaging.specifiers import SpecifierSet
 
@@ -44,11 +44,16 @@ from crossalign.backends.launch import (
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
-from crossalign.patching import PATCH_DIR, load_patch, megatron_core_version, parse_version
+from crossalign.patching import PATCH_DIR, megatron_core_version, parse_version
+
+if TYPE_CHECKING:
+    import torch
 
 LAUNCHER = PATCH_DIR / "megatron" / "pretrain_qwen35.py"
 RUN_SCRIPT = "run_megatron.sh"
 ARGS_FILE = "megatron_args.txt"
+LOAD_DIGEST_DIR = "load_digest"  # the launcher's record of what each rank loaded (CROSSALIGN_LOAD_DIGEST_DIR)
+DATA_CACHE_DIR = "data_cache"  # Megatron's dataset index cache, kept in the step (never in the shared dataset)
 GDN_FIRST_VERSION = (0, 16, 0)
 
 # Deterministic kernels and collectives (Megatron's --deterministic-mode asserts NCCL_ALGO).
@@ -108,12 +113,15 @@ def megatron_args(
     save_dir: Path | str | None = None,
     nproc: int = 1,
     train_iters: int | None = None,
+    data_cache_dir: Path | str | None = None,
 ) -> list[str]:
     """The ``pretrain_gpt.py`` arguments for this config (SPEC section 8), dense or MoE.
 
     The dataset is already tokenised, so Megatron gets a NullTokenizer sized to the padded vocab
     (its pad id is -1, like the MindFormers loader's ``pad: -1``: no token is masked on either
     side); ``tokenizer`` is checked to fit in that vocab. ``nproc`` GPUs run data parallel.
+    Without ``data_cache_dir`` Megatron writes its index cache next to the data
+    (``<data_prefix_dir>/cache/GPTDataset_indices``, megatron_dataset.py), i.e. into the shared store.
     """
     m, t = config.model, config.training
     iters = train_iters or t.train_iters
@@ -183,6 +191,7 @@ def megatron_args(
         "--vocab-size", str(null_tokenizer_vocab_arg(m.padded_vocab_size, t.megatron_core_version)),
         "--make-vocab-size-divisible-by", "1",
         "--data-path", str(data_prefix),
+        *(["--data-cache-path", str(data_cache_dir)] if data_cache_dir is not None else []),
         "--split", t.split,
         "--seed", str(t.seed),
         "--dataloader-type", t.dataloader_type,
@@ -224,8 +233,11 @@ def megatron_args(
 
 ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
 _FIELD = re.compile(r"\|\s*([A-Za-z_0-9 ()/]+?):\s*([-+0-9.eEnaNinf]+)\s*(?=\|)")
-_INCOMPATIBLE = re.compile(r"load_return:\s*_IncompatibleKeys\(missing_keys=\[(.*?)\],\s*unexpected_keys=\[(.*?)\]\)")
-_KEY = re.compile(r"'([^']+)'")
+# What Megatron prints when its strict load raised and it loaded again non-strictly: always
+# "load_return: None", since the DDP and Float16Module wrappers drop load_state_dict's result
+# (core_v0.16.1 megatron/training/checkpointing.py:1759-1767, data_parallel_base.py:90-96,
+# module.py:511-514; seen in the rehearsal's run of pretrain()). It names no key: the load digest does.
+NON_STRICT_LOAD = re.compile(r"^load_return: (.*)$")
 METRIC_NAMES = {"lm loss": "lm_loss", "learning rate": "lr", "grad norm": "grad_norm",
                 "load_balancing_loss": "aux_loss", "elapsed time per iteration (ms)": "step_time_ms"}
 
@@ -247,12 +259,18 @@ def parse_iteration_line(line: str) -> tuple[int, int, dict[str, float]] | None:
     return int(match.group(1)), int(match.group(2)), metrics
 
 
-def verify_megatron_log(log_path: Path, *, iterations: int, loaded: bool, exit_status: int) -> None:
-    """Raise BackendRunError unless the log shows a clean load (when asked) and every iteration 1..N."""
+def verify_megatron_log(log_path: Path, *, iterations: int, loaded: bool, exit_status: int) -> str | None:
+    """Raise BackendRunError unless the log shows a load (when asked) and every iteration 1..N.
+
+    Returns where Megatron fell back to a non-strict load ("FILE:LINE: load_return: None"), None if
+    it did not: that line cannot say what did not load, so the step's load digest decides
+    (:func:`verify_load_digest`).
+    """
     if not log_path.exists():
         raise BackendRunError(f"{log_path}: Megatron wrote no log (exit status {exit_status})")
     seen: set[int] = set()
     load_ok = False
+    non_strict = None
     with open(log_path, encoding="utf-8", errors="replace") as log:
         for number, line in enumerate(log, start=1):
             where = f"{log_path}:{number}: {line.strip()[:300]}"
@@ -261,14 +279,8 @@ def verify_megatron_log(log_path: Path, *, iterations: int, loaded: bool, exit_s
                                       "Write the checkpoint with plain tensors, or apply the megatron-weights-only patch.")
             if "could not find the metadata file" in line and loaded:
                 raise BackendRunError(f"Megatron found no checkpoint to load and would start from random weights: {where}")
-            incompatible = _INCOMPATIBLE.search(line)
-            if incompatible:
-                missing, unexpected = (_KEY.findall(part) for part in incompatible.groups())
-                real = [k for k in missing + unexpected if not k.endswith("._extra_state")]
-                if real:
-                    raise BackendRunError(
-                        f"Megatron loaded the checkpoint non-strictly; {len(real)} weights stay random "
-                        f"(e.g. {', '.join(real[:5])}): {where}")
+            if non_strict is None and NON_STRICT_LOAD.match(line.strip()):
+                non_strict = where
             if "successfully loaded checkpoint" in line:
                 load_ok = True
             parsed = parse_iteration_line(line)
@@ -284,6 +296,55 @@ def verify_megatron_log(log_path: Path, *, iterations: int, loaded: bool, exit_s
         last = max(seen) if seen else 0
         raise BackendRunError(f"{log_path}: iterations {absent[0]}..{absent[-1]} of {iterations} were never logged "
                               f"(last logged: {last}); end of the log:\n{failure_summary(log_path)}")
+    return non_strict
+
+
+# ---- the load digest -------------------------------------------------------------------------
+
+
+def _rank_states(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Each ``mp_rank_*`` folder's model tensors, as the files hold them (``_extra_state`` left out)."""
+    import torch
+
+    from crossalign.checkpoint.megatron import MODEL_FILE, find_iteration_dir
+
+    directory, _ = find_iteration_dir(checkpoint)
+    states = {}
+    for rank in sorted(p for p in directory.iterdir() if p.name.startswith("mp_rank_")):
+        model = torch.load(rank / MODEL_FILE, map_location="cpu", weights_only=True)["model"]
+        states[rank.name] = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)
+                             and not k.endswith("_extra_state")}
+    return states
+
+
+def verify_load_digest(digest_dir: Path, checkpoint: Path, config: AlignmentConfig) -> int:
+    """Hold the launcher's load digest (one file per model-parallel rank) against the checkpoint it was given.
+
+    The model's names may be megatron-core's local-module ones (a CPU rehearsal): they are mapped
+    to the TE names (``te_local.py``); stacked routed experts are split per expert, as TE's load
+    hook splits them. Raises :class:`LoadDigestError` naming every missing, extra, renamed or
+    different tensor; returns how many tensors were verified.
+    """
+    from crossalign.backends.local.torch_model import unstack_expert_weights
+    from crossalign.checkpoint.digest import LoadDigestError, compare_loaded, read_digest
+    from crossalign.checkpoint.te_local import local_to_te_names
+
+    names = local_to_te_names(config.model, config.training.megatron_core_version)
+    verified = 0
+    for rank, state in _rank_states(checkpoint).items():
+        path = digest_dir / f"{rank}.json"
+        if not path.exists():
+            raise LoadDigestError(f"{path}: Megatron wrote no load digest for rank {rank} of {checkpoint} "
+                                  f"(patches/megatron/pretrain_qwen35.py writes it after loading)")
+        if config.model.num_experts is not None:
+            for key in list(state):
+                if key.endswith((".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")):
+                    unstack_expert_weights(state, key[: -len("weight")], config.model.num_experts)
+        loaded = read_digest(path)
+        compare_loaded(loaded, state, what=f"Megatron rank {rank} ({path}) vs the checkpoint {checkpoint}",
+                       rename=lambda name: names.get(name, name))
+        verified += len(loaded)
+    return verified
 
 
 # ---- launching -------------------------------------------------------------------------------
@@ -336,14 +397,44 @@ if found and sys.version_info[:2] < (int(found[1]), int(found[2])):
 """
 
 
+# Run by the framework's interpreter in the checkout, with the run script's PATH and PYTHONPATH, before
+# training: Megatron compiles its dataset helpers at start-up with `make` (core_v0.16.1
+# megatron/training/initialize.py:186-195, megatron/core/datasets/Makefile: g++, `python3 -m pybind11
+# --includes` and `python3-config --extension-suffix` of whatever python3 is on PATH) and exits 1 when
+# make fails. A python3-config of another Python (a venv has none of its own) names the library for
+# that Python, which this interpreter never imports: so the helpers are built here with this
+# interpreter's own include flags and suffix (make then finds them built), and imported to prove it.
+DATASET_HELPERS_CHECK = """
+import subprocess, sys, sysconfig
+try:
+    import megatron.core.datasets.helpers_cpp
+except ImportError:
+    try:
+        import pybind11
+    except ImportError:
+        sys.exit(f"{sys.executable} has no pybind11: Megatron compiles its dataset helpers with it at start-up")
+    flags = f"-I{sysconfig.get_paths()['include']} -I{pybind11.get_include()}"
+    done = subprocess.run(["make", "-C", "megatron/core/datasets", f"CPPFLAGS={flags}",
+                           f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"], capture_output=True, text=True)
+    try:
+        import megatron.core.datasets.helpers_cpp
+    except ImportError as exc:
+        sys.exit(f"Megatron's dataset helpers do not build for {sys.executable} (make -C megatron/core/datasets, "
+                 f"needs make and g++): {exc}; make said: {(done.stderr or done.stdout).strip()[-800:]}")
+"""
+
+
 def entry_point(checkout: Path, version: tuple[int, ...]) -> Path:
-    """pretrain_gpt.py, or our launcher where this megatron-core builds MTP from the wrong specs."""
+    """Our launcher, for every megatron-core with GatedDeltaNet.
+
+    It records the load digest (:func:`verify_load_digest`) on every version, and where this
+    megatron-core builds MTP from the wrong specs (0.16 .. 0.18, the ``megatron-mtp-gdn`` patch's
+    range) its builder is what fixes it; from 0.19 its builder builds what upstream builds.
+    """
     if version < GDN_FIRST_VERSION:
         raise BackendSetupError(f"{checkout}: megatron-core {'.'.join(map(str, version))} has no GatedDeltaNet "
                                 f"(it arrives in {'.'.join(map(str, GDN_FIRST_VERSION))})")
-    if load_patch("megatron-mtp-gdn").needed_for(version):
-        return LAUNCHER
-    return checkout / "pretrain_gpt.py"
+    return LAUNCHER
 
 
 class MegatronBackend(FrameworkBackend):
@@ -388,14 +479,19 @@ class MegatronBackend(FrameworkBackend):
         checkout, version = self.checkout(request.config)
         site = self.site.megatron
         entry = entry_point(checkout, version)
-        if entry == LAUNCHER:
-            request.output_dir.mkdir(parents=True, exist_ok=True)
-            entry = Path(shutil.copy(LAUNCHER, request.output_dir.absolute() / LAUNCHER.name))
-        env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "MEGATRON_LM_PATH": str(checkout), **site.env}
+        request.output_dir.mkdir(parents=True, exist_ok=True)
+        entry = Path(shutil.copy(entry, request.output_dir.absolute() / LAUNCHER.name))
+        # PYTHONPATH: the checkout's own megatron/core (with the Makefile and helpers.cpp the wheel lacks)
+        env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "MEGATRON_LM_PATH": str(checkout),
+               "CROSSALIGN_LOAD_DIGEST_DIR": str(request.output_dir.absolute() / LOAD_DIGEST_DIR), **site.env}
         command = [site.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    "--nproc_per_node", str(site.nproc_per_node), str(entry), *args]
         checks = [(site.python, "-c", REQUIRES_PYTHON_CHECK)] if site.ssh_host is not None else []
+        checks.append((site.python, "-c", DATASET_HELPERS_CHECK))
+        # the dataset helpers are built by whatever python3 is first on PATH: make it the framework's own
+        python_dir = Path(site.python).parent if "/" in site.python else None
         return RunScript(command=command, cwd=checkout, env=env, required_files=("pretrain_gpt.py",), checks=checks,
+                         path_prepend=(str(python_dir),) if python_dir is not None else (),
                          staged_in=request.output_dir, published_as=request.published_dir,
                          title=f"Megatron-LM {'.'.join(map(str, version))}: {request.config.model.name}, "
                                f"{request.iterations} iterations")
@@ -414,7 +510,8 @@ class MegatronBackend(FrameworkBackend):
             request.config, data_prefix=request.data.prefix.absolute(), tokenizer=request.data.tokenizer,
             load_dir=request.init_checkpoint.absolute(),
             save_dir=request.checkpoint_dir.absolute() if request.save else None,
-            nproc=self.site.megatron.nproc_per_node, train_iters=request.iterations)
+            nproc=self.site.megatron.nproc_per_node, train_iters=request.iterations,
+            data_cache_dir=request.output_dir.absolute() / DATA_CACHE_DIR)
         request.output_dir.mkdir(parents=True, exist_ok=True)
         (request.output_dir / ARGS_FILE).write_text("\n".join(args) + "\n")
         return write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, args))
@@ -424,8 +521,15 @@ class MegatronBackend(FrameworkBackend):
         script = self.write_launch(request)
         on_line = progress_callback(request.on_step, iterations, parse_iteration_line)
         start = time.monotonic()
+        from crossalign.checkpoint.digest import LoadDigestError
+
         status = self._runner(script, request.log_path, on_line)
-        verify_megatron_log(request.log_path, iterations=iterations, loaded=True, exit_status=status)
+        non_strict = verify_megatron_log(request.log_path, iterations=iterations, loaded=True, exit_status=status)
+        try:
+            verify_load_digest(request.output_dir / LOAD_DIGEST_DIR, request.init_checkpoint, request.config)
+        except LoadDigestError as exc:
+            retried = f" (Megatron loaded non-strictly and said nothing more: {non_strict})" if non_strict else ""
+            raise BackendRunError(f"{exc}{retried}") from None
         return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
                            iterations=iterations, seconds=time.monotonic() - start)
 

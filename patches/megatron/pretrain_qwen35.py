@@ -32,7 +32,9 @@ block and the MTP layer from the functions here: the MTP layer is the decoder's 
 layer, as 0.19 takes it, also with pipeline parallelism (``patches/megatron/mtp_gdn.yaml``, for
 people who run pretrain_gpt.py by hand, takes the last layer of the local pipeline stage). No
 file of the checkout is edited; everything else (argument parsing, data, training loop,
-logging, checkpointing) is Megatron's own pretrain().
+logging, checkpointing) is Megatron's own pretrain(). With ``CROSSALIGN_LOAD_DIGEST_DIR`` set,
+the launcher also writes a digest of every tensor the model holds right after pretrain() loads
+the checkpoint (:func:`write_load_digest`), which the step compares with the checkpoint it gave.
 
 Usage:
     torchrun --nproc_per_node N /path/to/pretrain_qwen35.py <pretrain_gpt.py arguments>
@@ -203,6 +205,76 @@ def wrap_builder(builders_module):
     return gpt_builder
 
 
+# ---- the load digest ------------------------------------------------------------------------------
+
+DIGEST_ENV = "CROSSALIGN_LOAD_DIGEST_DIR"
+
+
+def tensor_sha256(tensor) -> str:
+    """sha256 of a tensor's bytes in its own dtype, C order (crossalign/checkpoint/digest.py hashes the same way)."""
+    import hashlib
+
+    import torch
+
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _unwrapped(module):
+    """The GPTModel inside DDP and Float16Module (both hold it as ``.module``)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def write_load_digest(model, folder: str) -> str | None:
+    """Name, shape, dtype and sha256 of every tensor the model holds, as this rank loaded it.
+
+    Megatron's own load cannot be trusted to say: when the strict load fails it reloads
+    non-strictly and prints ``load_return: None`` (the DDP and Float16Module wrappers drop the
+    result: core_v0.16.1 megatron/training/checkpointing.py:1759-1767,
+    megatron/core/distributed/data_parallel_base.py:90-96, megatron/core/transformer/module.py:511-514),
+    and the weights it did not find stay random. One file per model-parallel rank (the first
+    data-parallel replica writes it), named like the rank's checkpoint folder.
+    """
+    import json
+
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return None
+    tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    tensors = {}
+    for chunk in model:
+        for key, value in _unwrapped(chunk).state_dict().items():
+            if key.endswith("_extra_state") or not hasattr(value, "dtype"):
+                continue
+            tensors[key] = {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
+                            "sha256": tensor_sha256(value)}
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name + ".json")
+    with open(path + ".tmp", "w") as out:
+        json.dump({"rank": name, "tensors": tensors}, out, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    print(f"crossalign: load digest of {len(tensors)} tensors written to {path}", flush=True)
+    return path
+
+
+def digest_after_load(training_module, folder: str) -> None:
+    """Make pretrain()'s load_checkpoint write the load digest right after it loads, before the first step."""
+    original = training_module.load_checkpoint
+
+    def load_checkpoint(ddp_model, *args, **kwargs):
+        result = original(ddp_model, *args, **kwargs)
+        write_load_digest(ddp_model if isinstance(ddp_model, list) else [ddp_model], folder)
+        return result
+
+    load_checkpoint.__wrapped__ = original
+    training_module.load_checkpoint = load_checkpoint
+
+
 def find_checkout() -> str | None:
     """The Megatron-LM checkout: MEGATRON_LM_PATH, else the current directory, else where gpt_builders imports from."""
     for candidate in (os.environ.get("MEGATRON_LM_PATH"), os.getcwd()):
@@ -227,6 +299,10 @@ def main() -> None:
 
     # pretrain_gpt.py does `from gpt_builders import gpt_builder`: it picks up the wrapped builder.
     gpt_builders.gpt_builder = wrap_builder(gpt_builders)
+    if os.environ.get(DIGEST_ENV):
+        from megatron.training import training
+
+        digest_after_load(training, os.environ[DIGEST_ENV])
     sys.argv = [entry] + sys.argv[1:]
     runpy.run_path(entry, run_name="__main__")
 

@@ -1,0 +1,121 @@
+"""The gpu rehearsal: a run's megatron-train step launched as the GPU would launch it, on this machine's CPU.
+
+The step's launch is written by the real backend (``MegatronBackend.write_launch``: the
+generated arguments and ``run_megatron.sh``), then run by torchrun with one process, through
+``patches/megatron/pretrain_qwen35.py`` and the site's Megatron-LM checkout, that is Megatron's
+own ``pretrain()``. What a CPU cannot do is stood in for, and listed in the report:
+the argument changes and runtime workarounds of :mod:`crossalign.rehearsal.megatron_cpu`, and
+the checkpoint handed to Megatron under the local-module names (``te_local.py``). After the run,
+the step's own checks run on it: the log (:func:`verify_megatron_log`) and the load digest
+(:func:`verify_load_digest`, against the converted checkpoint under its TE names).
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from crossalign.backends.base import TrainRequest
+from crossalign.backends.launch import RunScript, run_script_locally, write_run_script
+from crossalign.backends.megatron import (ARGS_FILE, DATA_CACHE_DIR, LOAD_DIGEST_DIR, MegatronBackend, parse_iteration_line,
+                                          verify_load_digest, verify_megatron_log)
+from crossalign.rehearsal import megatron_cpu
+from crossalign.site import FrameworkSite, SiteConfig
+from crossalign.store import Run
+
+SCRIPT = "rehearse_megatron.sh"
+LOCAL_CHECKPOINT = "checkpoint_local_names"
+
+
+@dataclass
+class GpuRehearsal:
+    """What a gpu rehearsal ran, what it stood in for, and the losses it logged."""
+
+    folder: Path
+    log: Path
+    checkout: Path
+    megatron_core: str
+    argument_changes: list[megatron_cpu.ArgumentChange]
+    workarounds: list[tuple[str, str]]
+    losses: dict[int, dict[str, float]] = field(default_factory=dict)
+    digest_tensors: int = 0
+
+
+def logged_losses(log: Path) -> dict[int, dict[str, float]]:
+    """Iteration -> the losses a Megatron log printed for it (lm_loss, mtp_1_loss, aux_loss), as printed."""
+    out: dict[int, dict[str, float]] = {}
+    with open(log, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            parsed = parse_iteration_line(line)
+            if parsed:
+                out[parsed[0]] = {k: v for k, v in parsed[2].items() if k.endswith("_loss")}
+    return out
+
+
+def write_local_checkpoint(init: Path, folder: Path, run: Run) -> Path:
+    """The converted checkpoint under megatron-core's local-module names (what the CPU model holds)."""
+    from crossalign.backends.local.torch_model import unstack_expert_weights
+    from crossalign.checkpoint.megatron import read_megatron_checkpoint, write_megatron_checkpoint
+    from crossalign.checkpoint.te_local import te_to_local
+
+    model = run.config.model
+    checkpoint = read_megatron_checkpoint(init, model)
+    state = dict(checkpoint.state)
+    if model.num_experts is not None:
+        for key in list(state):
+            if key.endswith((".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")):
+                unstack_expert_weights(state, key[: -len("weight")], model.num_experts)
+    target = folder / LOCAL_CHECKPOINT
+    shutil.rmtree(target, ignore_errors=True)
+    write_megatron_checkpoint(target, checkpoint.iteration,
+                              te_to_local(state, model, run.config.training.megatron_core_version))
+    return target
+
+
+def _replace_value(args: list[str], flag: str, value: str) -> list[str]:
+    index = args.index(flag)
+    return [*args[: index + 1], value, *args[index + 2:]]
+
+
+def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Path | None = None,
+                 fp32: bool = True, on_line=lambda line: None) -> GpuRehearsal:
+    """Rehearse ``run``'s megatron-train step in ``folder`` with the Megatron-LM ``checkout``; raises on failure."""
+    folder = folder.absolute()
+    for previous in (LOCAL_CHECKPOINT, LOAD_DIGEST_DIR, DATA_CACHE_DIR):  # a rehearsal starts from nothing
+        shutil.rmtree(folder / previous, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    init = Path(init_checkpoint or run.step_dir("convert") / "checkpoint").absolute()
+    site = SiteConfig(store=run.store.root, backends={"gpu": "megatron"},
+                      megatron=FrameworkSite(path=checkout, python=sys.executable, nproc_per_node=1))
+    backend = MegatronBackend(site)
+    request = TrainRequest(config=run.config, side="megatron", mode="align", data=run.dataset, output_dir=folder,
+                           init_checkpoint=init, save=False)
+    backend.write_launch(request)  # run_megatron.sh and megatron_args.txt, as the step writes them
+    generated = (folder / ARGS_FILE).read_text().split()
+    real = backend.run_script(request, generated)
+    args, changes = megatron_cpu.cpu_arguments(generated, fp32=fp32)
+    args = _replace_value(args, "--load", str(write_local_checkpoint(init, folder, run)))
+    entry = Path(real.command[real.command.index("--nproc_per_node") + 2])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "1",
+               "-m", "crossalign.rehearsal.megatron_cpu", str(entry), *args]
+    script = RunScript(command=command, cwd=real.cwd, env=dict(real.env), path_prepend=real.path_prepend,
+                       required_files=real.required_files, checks=real.checks,
+                       title=f"rehearsal on CPU of: {real.title}")
+    write_run_script(folder / SCRIPT, script)
+    log = folder / "train.log"
+    status = run_script_locally(folder / SCRIPT, log, on_line)
+    verify_megatron_log(log, iterations=request.iterations, loaded=True, exit_status=status)
+    tensors = verify_load_digest(folder / LOAD_DIGEST_DIR, init, run.config)
+    from crossalign.patching import megatron_core_version
+
+    return GpuRehearsal(folder=folder, log=log, checkout=checkout,
+                        megatron_core=".".join(map(str, megatron_core_version(checkout) or ())),
+                        argument_changes=changes, workarounds=megatron_cpu.workarounds(),
+                        losses=logged_losses(log), digest_tensors=tensors)
+
+
+def describe_command(script: RunScript) -> str:
+    return " ".join(map(shlex.quote, map(str, script.command)))
