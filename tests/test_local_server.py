@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -63,6 +64,24 @@ def test_server_start_refuses_to_listen_beyond_loopback_without_basic_auth(tmp_p
     assert done.returncode == 2, done.stdout + done.stderr
     assert "PREFECT_SERVER_API_AUTH_STRING" in done.stderr and "--insecure" in done.stderr
     assert not (tmp_path / "server").exists(), "nothing is started or written"
+
+
+def test_server_start_beyond_loopback_refuses_to_hand_out_a_loopback_address(tmp_path):
+    """Agents on other machines would be sent to themselves: an explicit loopback --url, or this host's
+    name where it resolves to loopback, is refused with the advice to pass --url; nothing is started."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    port = free_port()
+    base = [CROSSALIGN, "server", "start", "--host", "0.0.0.0", "--port", str(port), "--insecure",
+            "--data", str(tmp_path / "server")]
+    given = subprocess.run([*base, "--url", f"http://localhost:{port}"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert given.returncode == 2, given.stdout + given.stderr
+    assert "loopback" in given.stderr and "--url http://ADDRESS" in given.stderr
+    assert "PREFECT_API_URL" not in given.stdout and not (tmp_path / "server").exists() and not _port_open(port)
+    fqdn = socket.getfqdn()
+    if all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(fqdn, None)):
+        derived = subprocess.run(base, env=env, capture_output=True, text=True, timeout=120)
+        assert derived.returncode == 2 and f"http://{fqdn}:{port}" in derived.stderr, derived.stdout + derived.stderr
 
 
 def test_server_start_with_basic_auth_survives_a_restart_and_agents_stop_within_10_s(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import subprocess
 import sys
 import time
@@ -23,6 +24,19 @@ def served(tmp_path_factory):
     store = root / "store"
     (store / "r1" / "06-compare").mkdir(parents=True)
     (store / "r1" / "06-compare" / "report.html").write_text("<h1>verdict: pass</h1>")
+    for run_id, created, verdict in (("old-run", "2026-11-01T10:00:00", "fail"), ("new-run", "2026-11-02T10:00:00",
+                                                                               "pass"), ("running", "2026-11-03", None)):
+        (store / run_id).mkdir()
+        (store / run_id / "run.json").write_text(json.dumps({"run_id": run_id, "created": created}))
+        if verdict:
+            (store / run_id / "06-compare").mkdir()
+            (store / run_id / "06-compare" / "manifest.json").write_text("{}")
+            (store / run_id / "06-compare" / "summary.json").write_text(json.dumps({"verdict": verdict}))
+            (store / run_id / "06-compare" / "report.html").write_text("<p>report</p>")
+    (store / "new-run" / "logs").mkdir()
+    (store / "new-run" / "logs" / "compare.log").write_text("step compare done\n")
+    (store / "new-run" / "06-compare" / "report.md").write_text("# crossalign comparison: PASS\n")
+    (store / "new-run" / "06-compare" / "steps.csv").write_text("step,lm_loss\n1,7.0\n")
     (root / "secret.txt").write_text("secret")
     (store / "r1" / "out.txt").symlink_to(root / "secret.txt")
     (store / "r1" / "outside").symlink_to(root)
@@ -39,15 +53,38 @@ def served(tmp_path_factory):
         stop_process(proc)
 
 
-def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
+def _get(port: int, path: str, method: str = "GET", headers: bool = False):
     """A request with the path sent exactly as given (no client-side normalisation of .. or %2e)."""
     try:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         connection.request(method, path)
         response = connection.getresponse()
-        return response.status, response.read()
+        answer = response.status, response.read()
+        return (*answer, response.headers) if headers else answer
     except OSError:
-        return 0, b""
+        return (0, b"", {}) if headers else (0, b"")
+
+
+def test_the_root_lists_the_runs_newest_first_with_verdicts_and_reports(served):
+    status, body = _get(served, "/")
+    page = body.decode()
+    assert status == 200
+    assert page.index("running") < page.index("new-run") < page.index("old-run"), page
+    assert "href='/new-run/06-compare/report.html'" in page and ">pass<" in page and ">fail<" in page
+    assert "not compared yet" in page
+
+
+def test_a_run_folder_is_listed_and_text_files_are_shown_as_text(served):
+    status, body = _get(served, "/new-run/")
+    assert status == 200 and "href='/new-run/logs/'" in body.decode() and "href='/new-run/06-compare/'" in body.decode()
+    status, body = _get(served, "/new-run/06-compare")
+    assert status == 200 and "href='/new-run/06-compare/steps.csv'" in body.decode()
+    for path, text in (("/new-run/logs/compare.log", b"step compare done"), ("/new-run/06-compare/report.md", b"# "),
+                       ("/new-run/06-compare/steps.csv", b"step,"), ("/new-run/06-compare/summary.json", b"{")):
+        status, body, headers = _get(served, path, headers=True)
+        assert status == 200 and body.startswith(text) and headers["content-type"] == "text/plain; charset=utf-8", path
+    status, body = _get(served, "/r1/")
+    assert status == 200 and b"out.txt" not in body and b"outside" not in body, "links out of the store are not listed"
 
 
 def test_the_store_is_served_read_only(served):

@@ -119,6 +119,9 @@ def hold_worker_lock(pool: str, name: str, api_url: str) -> int:
     return fd
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 def _die_with_parent(parent_pid: int, prctl) -> Callable[[], None]:
     """``preexec_fn`` of the worker: the kernel kills it (SIGKILL) when the agent that started it dies.
 
@@ -131,9 +134,6 @@ def _die_with_parent(parent_pid: int, prctl) -> Callable[[], None]:
         if os.getppid() != parent_pid:  # the agent died before the line above took effect
             os._exit(1)
     return preexec
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 # Prefect's worker answers SIGTERM by stopping its poll loop, then waits for its API calls and its
