@@ -44,6 +44,10 @@ def compare(
     mtp_loss_scaling_factor: float = typer.Option(
         None, help="Only for graph-mode logs: their mtp_loss is already multiplied by this factor."),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Render loss.png (and embed it in report.html)."),
+    allow_any_format: bool = typer.Option(
+        False, "--allow-any-format", help="Accept a log of either framework on either side (a Megatron log from "
+        "MindSpeed on Ascend, two Megatron runs). Without it the NPU log must be MindFormers' and the GPU log "
+        "Megatron's, and a log in the other side's format is refused (sides swapped)."),
 ) -> None:
     """Compare the losses of the two runs: exit 0 pass, 1 fail, 2 bad input or invalid (incomplete, not comparable)."""
     from rich.table import Table
@@ -52,12 +56,15 @@ def compare(
     from crossalign.config import ConfigError, load_config
     from crossalign.logs import LogFormatError
     from crossalign.report.compare import CompareOptions, compare_logs, options_from_config
-    from crossalign.report.render import metric_rows
+    from crossalign.report.render import ReportWriteError, check_out_dir, metric_rows
+    from crossalign.report.sides import SideFormatError
 
     given = {"megatron_core_version": megatron_core_version, "log_interval": log_interval,
              "expect_steps": expect_steps, "exclude_steps": _parse_steps(exclude_steps),
-             "step_threshold": step_threshold, "mtp_loss_scaling_factor": mtp_loss_scaling_factor, "plot": plot}
-    with user_errors(LogFormatError, ConfigError):
+             "step_threshold": step_threshold, "mtp_loss_scaling_factor": mtp_loss_scaling_factor, "plot": plot,
+             "allow_any_format": allow_any_format}
+    with user_errors(LogFormatError, ConfigError, SideFormatError, ReportWriteError):
+        check_out_dir(out)
         options = options_from_config(load_config(model), **given) if model else CompareOptions(
             **{k: v for k, v in given.items() if v is not None})
         with console.status("parsing and comparing the logs"):

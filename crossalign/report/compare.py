@@ -4,11 +4,11 @@
 recognised failure patterns (``diagnose``) and writes summary.json, steps.csv, loss.png,
 report.html and report.md (``render``). The schema of summary.json is in SUMMARY_SCHEMA.md.
 
-Verdict: "invalid" when the logs cannot prove anything: a failed Megatron checkpoint load, a series
-that cannot be compared (logged by one side only, expected by the run's config and missing, graph-mode
-MTP without its factor), fewer steps compared than expected ("incomplete: N of M steps"), or too few
-steps to judge. Otherwise "pass" when every required series (lm loss and each MTP loss) has a step-1
-relative error below 0.5%, a mean relative error below 1%, no NaN, and step-to-step changes that
+Verdict: "invalid" when the logs cannot prove anything: the same log on both sides, a failed Megatron
+checkpoint load, a series that cannot be compared (logged by one side only, expected by the run's config
+and missing, graph-mode MTP without its factor), fewer steps compared than expected ("incomplete: N of M
+steps"), or too few steps to judge. Otherwise "pass" when every required series (lm loss and each MTP
+loss) has a step-1 relative error below 0.5%, a mean relative error below 1%, no NaN, and step-to-step changes that
 co-move with the other side's; otherwise "fail": the numbers disagree. "Gold standard" is said only of
 a pass whose step 1 is within 0.005% on every required series.
 """
@@ -16,7 +16,7 @@ a pass whose step 1 is within 0.005% on every required series.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +26,10 @@ from crossalign.logs import parse_log
 from crossalign.logs.common import step_ranges
 from crossalign.report.diagnose import diagnose
 from crossalign.report.metrics import (
-    COMOVE_MIN, COMOVE_MIN_STEPS, GOLD_LIMIT, MEAN_LIMIT, STEP1_LIMIT, LrCheck, SeriesMetrics, aligned_frame,
-    lr_check, series_metrics,
+    ARITHMETIC_NOISE, COMOVE_MIN_STEPS, COMOVE_Z, GOLD_LIMIT, MEAN_LIMIT, MIN_STEPS, STEP1_LIMIT, LrCheck,
+    SeriesMetrics, aligned_frame, lr_check, series_metrics,
 )
+from crossalign.report.sides import check_formats, name_different_models, same_log
 
 SCHEMA_VERSION = 2
 # crossalign's Megatron backends always launch with --log-interval 1 (crossalign/backends/megatron.py,
@@ -48,16 +49,20 @@ class CompareOptions:
     exclude_steps: tuple[int, ...] = ()             # left out of mean/median/max/pearson/comove
     step_threshold: float = MEAN_LIMIT              # a step above it is a "bad" step (first_bad_step)
     mtp_loss_scaling_factor: float | None = None    # only for graph-mode logs, whose mtp_loss is scaled
+    allow_any_format: bool = False                  # a log of either framework on either side (else refused)
+    precision: str | None = None                    # "fp32" or "bf16" (both sides' arithmetic); None: taken as bf16
     plot: bool = True
 
 
 def options_from_config(config, **overrides) -> CompareOptions:
     """What a run's config says about its logs (an ``AlignmentConfig``): the core version, train_iters,
-    whether MTP and the MoE aux loss must be present, and the graph-mode MTP factor (one MTP layer:
-    MindFormers prints mtp_loss scaled by factor / mtp_num_layers)."""
+    whether MTP and the MoE aux loss must be present, the graph-mode MTP factor (one MTP layer:
+    MindFormers prints mtp_loss scaled by factor / mtp_num_layers) and the precision the real frameworks
+    train in (``training.bf16``; the embedded trainers name theirs, see ``compare_logs``)."""
     model, training = config.model, config.training
     values = {
         "megatron_core_version": training.megatron_core_version,
+        "precision": "bf16" if training.bf16 else "fp32",
         "expect_steps": training.train_iters,
         "mtp_expected": model.mtp_num_layers > 0,
         "aux_expected": model.is_moe,
@@ -144,14 +149,20 @@ def _reason(m: SeriesMetrics) -> str:
     if m.status == "no_common_steps":
         return f"{m.name}: the two logs share no step"
     nan = [f"NaN/inf on {side} from step {step}" for side, step in m.first_nan_step.items() if step is not None]
-    comove = "n/a" if m.comove is None else f"{m.comove:.3f}"
     parts = [f"step-{m.step1} rel err {_pct(m.step1_rel_err)} {'<' if _below(m.step1_rel_err, STEP1_LIMIT) else '>='} "
              f"{_pct(STEP1_LIMIT)}",
              f"mean rel err {_pct(m.mean_rel_err)} {'<' if _below(m.mean_rel_err, MEAN_LIMIT) else '>='} {_pct(MEAN_LIMIT)}",
-             f"co-movement of the per-step changes {comove} {'>=' if not _below(m.comove, COMOVE_MIN) else '<'} "
-             f"{COMOVE_MIN:g}",
-             *nan]
+             _comove_words(m), *nan]
     return f"{m.name}: " + ", ".join(parts)
+
+
+def _comove_words(m: SeriesMetrics) -> str:
+    if m.comove_undecided:
+        return f"co-movement cannot be told ({m.comove_undecided})"
+    if m.comove is None:
+        return "co-movement n/a"
+    return (f"co-movement {m.comove:.3f} {'>=' if m.comove >= m.comove_min else '<'} {m.comove_min:.3f} (the runs' "
+            f"difference moves {m.difference_spread:.2g} per step, each run {m.fluctuation:.2g})")
 
 
 def _below(x: float | None, limit: float) -> bool:
@@ -259,31 +270,41 @@ def build_summary(npu: pd.DataFrame, gpu: pd.DataFrame,
         names.append("aux_loss")
     merged = aligned_frame(npu, gpu, names)
     excluded = set(options.exclude_steps)
+    precision = options.precision or "bf16"
     series = {
         name: series_metrics(name, _judged(name), merged,
                              {side: name in f.attrs["logged"] for side, f in frames.items()},
-                             excluded, options.step_threshold)
+                             excluded, options.step_threshold, precision)
         for name in names
     }
     lr = lr_check(merged)
-    findings = diagnose(series, merged, frames, lr, unusable)
+    findings = diagnose(series, merged, frames, lr, unusable, options.precision)
+    findings = name_different_models(series, frames, lr, findings)
     coverage = _coverage(frames, merged, options)
 
-    invalid = [f"{side}: {reason}" for side, f in frames.items() for reason in f.attrs["invalid"]]
+    invalid = [reason for reason in [same_log(npu, gpu)] if reason]
+    invalid += [f"{side}: {reason}" for side, f in frames.items() for reason in f.attrs["invalid"]]
     invalid += _not_comparable(series, frames, unusable, options)
     if coverage["compared"] < coverage["expected"]:
         invalid.append(f"incomplete: {coverage['compared']} of {coverage['expected']} steps compared "
                        f"({coverage['basis']}; not in both logs: {coverage['missing']})")
     required = [m for m in series.values() if m.required and m.status == "compared"]
-    thin = [m for m in required if m.steps_compared < COMOVE_MIN_STEPS]
+    thin = [m for m in required if m.steps_compared < MIN_STEPS]
     if thin:
         invalid.append(f"too few steps to judge: {', '.join(f'{m.name} {m.steps_compared}' for m in thin)} compared, "
-                       f"at least {COMOVE_MIN_STEPS} are needed to see whether the two runs move together")
+                       f"at least {MIN_STEPS} are needed")
+    failed = [m for m in required if m.passed is False]
+    undecided = [m for m in required if m.passed is None]
     if invalid:
         verdict, reasons = "invalid", invalid
+    elif failed or not required:
+        verdict, reasons = "fail", [_reason(m) for m in failed]
+    elif undecided:
+        verdict = "invalid"
+        reasons = [f"{m.name}: step 1 and the mean agree, but whether the two runs saw the same batches cannot be "
+                   f"told: {m.comove_undecided}" for m in undecided]
     else:
-        verdict = "pass" if required and all(m.passed for m in required) else "fail"
-        reasons = [_reason(m) for m in required if (m.passed is False) == (verdict == "fail")]
+        verdict, reasons = "pass", [_reason(m) for m in required]
 
     for side, f in frames.items():
         notes += [f"{side}: {note}" for note in f.attrs["notes"]]
@@ -307,8 +328,9 @@ def build_summary(npu: pd.DataFrame, gpu: pd.DataFrame,
         series=series, lr=lr, inputs={side: _input_info(f) for side, f in frames.items()},
         coverage=coverage, megatron_iteration2=iteration2,
         criteria={"step1_rel_err_max": STEP1_LIMIT, "mean_rel_err_max": MEAN_LIMIT,
-                  "gold_step1_rel_err_max": GOLD_LIMIT, "comove_min": COMOVE_MIN,
-                  "min_steps": COMOVE_MIN_STEPS, "step_threshold": options.step_threshold,
+                  "gold_step1_rel_err_max": GOLD_LIMIT, "comove_z": COMOVE_Z,
+                  "min_steps": MIN_STEPS, "comove_min_steps": COMOVE_MIN_STEPS, "precision": precision,
+                  "arithmetic_noise": ARITHMETIC_NOISE[precision], "step_threshold": options.step_threshold,
                   "reference": "gpu", "excluded_steps": sorted(excluded),
                   "megatron_core_version": options.megatron_core_version, "expect_steps": options.expect_steps,
                   "mtp_expected": options.mtp_expected, "aux_expected": options.aux_expected},
@@ -329,23 +351,29 @@ def parse_both(npu_log: Path, gpu_log: Path, options: CompareOptions) -> tuple[p
 
 
 def compare_logs(npu_log: Path, gpu_log: Path, out_dir: Path, options: CompareOptions | None = None, *,
-                 implementations: dict[str, str] | None = None) -> Summary:
+                 implementations: dict[str, str] | None = None, run_link: dict | None = None) -> Summary:
     """Parse, judge and write the report into ``out_dir``; raises LogFormatError on an unreadable log.
 
-    ``implementations`` (side -> what trained it, from the training steps' manifests) is named in the report.
+    ``implementations`` (side -> what trained it, from the training steps' manifests) is named in the report,
+    and decides the precision when both name theirs (the embedded trainers do: "fp32", "bf16 on ...").
+    ``run_link`` ({run_id, url}) names the DAG run in the report's heading and links its flow run in Prefect.
     """
     from crossalign.report.render import write_outputs
 
     options = options or CompareOptions()
+    named = list((implementations or {}).values())
+    if len(named) == 2 and all("fp32" in text or "bf16" in text for text in named):
+        options = replace(options, precision="bf16" if any("bf16" in text for text in named) else "fp32")
     started = time.perf_counter()
     npu, gpu = parse_both(npu_log, gpu_log, options)
+    check_formats(npu, gpu, options.allow_any_format)
     parsed = time.perf_counter()
     summary, merged = build_summary(npu, gpu, options)
     for side, implementation in (implementations or {}).items():
         summary.inputs[side]["implementation"] = implementation
     judged = time.perf_counter()
     summary.timings = {"parse_s": round(parsed - started, 4), "compare_s": round(judged - parsed, 4)}
-    write_outputs(summary, merged, Path(out_dir), plot=options.plot)
+    write_outputs(summary, merged, Path(out_dir), plot=options.plot, run_link=run_link)
     return summary
 
 

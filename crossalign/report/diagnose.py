@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from crossalign.report.metrics import COMOVE_MIN, MEAN_LIMIT, STEP1_LIMIT, LrCheck, SeriesMetrics
+from crossalign.report.metrics import (
+    MEAN_LIMIT, SPIKE_FACTOR, STEP1_LIMIT, LrCheck, SeriesMetrics, isolated_step2_spike,
+)
 
-SPIKE_FACTOR = 10.0    # step 2 stands out when its error is this many times the others'
-SPIKE_FLOOR = 1e-4     # ... and at least 0.01%
+GRAD_NORM_TOLERANCE = 0.01  # step-1 grad norms this far apart (relative) are a different backward pass or clip
+GRAD_NORM_PRINTED = 5e-4    # Megatron prints the grad norm with 3 decimals
 
 
 def _finding(pattern: str, message: str, series: str | None = None, step: int | None = None) -> dict:
@@ -61,17 +63,26 @@ def _megatron_step2_evidence(name: str, frames: dict[str, pd.DataFrame], npu2: f
     return None
 
 
+def _step1_grad_norms(frames: dict[str, pd.DataFrame]) -> dict[str, float] | None:
+    """Each side's printed grad norm of step 1, when both logs print one."""
+    norms = {}
+    for side, frame in frames.items():
+        value = frame.loc[frame["step"] == 1, "grad_norm"] if "grad_norm" in frame else pd.Series(dtype=float)
+        if value.empty or not np.isfinite(value.iloc[0]):
+            return None
+        norms[side] = float(value.iloc[0])
+    return norms
+
+
 def _step2_spike(metrics: SeriesMetrics, merged: pd.DataFrame, frames: dict[str, pd.DataFrame],
-                 lr: LrCheck) -> dict | None:
+                 lr: LrCheck, precision: str | None) -> dict | None:
+    """An isolated step-2 spike: Megatron's iteration-2 logging, an lr or step-1 gradient difference, a mismatch
+    of the optimizer in fp32, or (none of these, and step 3 recovered) the benign bf16 transient of the source."""
     steps, npu, gpu, rel = _series_errors(merged, metrics.name)
-    if len(steps) < 2 or steps[0] != 1 or steps[1] != 2:
-        return None
-    rest = rel[2:] if len(rel) > 2 else rel[:1]
-    others = max(rel[0], float(np.median(rest)))
-    if rel[1] < SPIKE_FLOOR or rel[1] < SPIKE_FACTOR * others or np.median(rest) > MEAN_LIMIT:
+    if not isolated_step2_spike(steps, rel):
         return None
     head = (f"{metrics.name}: a single spike at step 2 ({_pct(rel[1])}) while step 1 ({_pct(rel[0])}) "
-            f"and the later steps (median {_pct(float(np.median(rest)))}) agree: ")
+            f"and the later steps (median {_pct(float(np.median(rel[2:])))}) agree: ")
     evidence = _megatron_step2_evidence(metrics.name, frames, float(npu[1]), float(gpu[1]))
     if evidence:
         return _finding("step2_spike", head + evidence, metrics.name, 2)
@@ -84,10 +95,34 @@ def _step2_spike(metrics: SeriesMetrics, merged: pd.DataFrame, frames: dict[str,
     corrected = any(f.attrs.get("corrections") or f.attrs.get("iteration2") for f in frames.values())
     logging = ("the Megatron mean-of-first-two logging was already undone, so it is not the cause; "
                if corrected else "")
-    return _finding("step2_spike", head + logging + "the applied lr agrees, so step 1's update itself differs: "
-                    "an optimizer-state mismatch such as Adam bias correction (MindSpore's nn.AdamWeightDecay "
-                    "has none, Megatron's Adam has it), which makes the first update much larger on one side",
-                    metrics.name, 2)
+    mismatch = ("an optimizer-state mismatch such as Adam bias correction (MindSpore's nn.AdamWeightDecay has none, "
+                "Megatron's Adam has it), which makes the first update much larger on one side")
+    norms = _step1_grad_norms(frames)
+    if norms and abs(norms["npu"] - norms["gpu"]) > GRAD_NORM_TOLERANCE * max(norms.values()) + GRAD_NORM_PRINTED:
+        return _finding("step2_spike", head + logging + (
+            f"step 1's grad norm differs (npu {norms['npu']:.6g}, gpu {norms['gpu']:.6g}) while its loss agrees: the "
+            "backward pass or the clipping differs (grad clip, loss scaling, which parameters the norm counts), so "
+            "the first update differs; with the same gradient it would be ") + mismatch, metrics.name, 2)
+    if rel[2] * SPIKE_FACTOR > rel[1]:
+        return _finding("step2_spike", head + logging + (
+            f"the applied lr agrees but step 3 is still {_pct(rel[2])} off: the difference persists past the first "
+            "update, so it is not the benign bf16 transient: ") + mismatch, metrics.name, 2)
+    if precision == "fp32":
+        return _finding("step2_spike", head + logging + (
+            "the applied lr and step 1's grad norm agree and both sides computed in fp32, where the first update "
+            "has no bf16 rounding difference to amplify: step 1's update itself differs, ") + mismatch,
+            metrics.name, 2)
+    norm_words = (f"step 1's grad norm agrees ({norms['gpu']:.4g}; above the clip, 1.0 in the source, it is scaled "
+                  "down, so the direction of the gradient, where bf16 differs, is what moves the weights)"
+                  if norms else "the logs print no grad norm of step 1 to compare")
+    assumed = "" if precision == "bf16" else " (the precision was not given: taken as bf16)"
+    return _finding("step2_spike", head + logging + (
+        f"the applied lr agrees, {norm_words}, and step 3 is aligned again: the benign transient of bf16 training "
+        f"across hardware{assumed}. Adam's first bias-corrected update (m_hat = m / (1 - beta1) = 10 m) amplifies a "
+        "tiny bf16 difference in step 1's backward pass into one perturbed update; step 2's forward shows it, step 3 "
+        "has converged back (the lm and MTP losses spike together). It would not be benign if it persisted past "
+        "step 2, appeared with fp32 on both sides, or came with a different lr or step-1 grad norm: then it is "
+        + mismatch), metrics.name, 2)
 
 
 def _offset_or_mismatch(metrics: SeriesMetrics, merged: pd.DataFrame) -> dict | None:
@@ -108,12 +143,13 @@ def _offset_or_mismatch(metrics: SeriesMetrics, merged: pd.DataFrame) -> dict | 
 
 
 def _uncorrelated(metrics: SeriesMetrics) -> dict | None:
-    if metrics.comove is None or metrics.comove >= COMOVE_MIN:
+    if metrics.comove is None or metrics.comove_undecided or metrics.comove >= metrics.comove_min:
         return None
     trend = "" if metrics.pearson is None else f" although the curves correlate (pearson {metrics.pearson:.3f}) through their shared trend"
     return _finding("uncorrelated", (
-        f"{metrics.name}: the two runs do not move together step by step (co-movement of the detrended per-step "
-        f"changes {metrics.comove:.3f} < {COMOVE_MIN:g}){trend}: they see different samples at the same step. "
+        f"{metrics.name}: the two runs do not move together step by step (co-movement {metrics.comove:.3f} < "
+        f"{metrics.comove_min:.3f}: their difference moves {metrics.difference_spread:.2g} per step, each run on its own "
+        f"{metrics.fluctuation:.2g}){trend}: they see different samples at the same step. "
         "Likely cause: the sample order (seed 1234 on both, split 1,0,0, blend form, cyclic vs single loader); "
         "run `crossalign preflight data --model CONFIG --megatron-args ... --mindformers-yaml ...` to find the "
         "setting"), metrics.name)
@@ -142,8 +178,9 @@ def _growing(metrics: SeriesMetrics, merged: pd.DataFrame) -> dict | None:
 
 
 def diagnose(series: dict[str, SeriesMetrics], merged: pd.DataFrame, frames: dict[str, pd.DataFrame],
-             lr: LrCheck, unusable: dict[str, str]) -> list[dict]:
-    """Every recognised pattern, most fundamental first."""
+             lr: LrCheck, unusable: dict[str, str], precision: str | None = None) -> list[dict]:
+    """Every recognised pattern, most fundamental first; ``precision`` ("fp32", "bf16", None: unknown) is what
+    both sides computed in."""
     findings = []
     for side, frame in frames.items():
         for reason in frame.attrs.get("invalid", []):
@@ -173,7 +210,7 @@ def diagnose(series: dict[str, SeriesMetrics], merged: pd.DataFrame, frames: dic
         grow = growing[m.name]
         if grow and m.name == "aux_loss" and not judged_grow:
             grow = _routing_drift(grow)
-        for check in (_step2_spike(m, merged, frames, lr), _offset_or_mismatch(m, merged), _uncorrelated(m), grow):
+        for check in (_step2_spike(m, merged, frames, lr, precision), _offset_or_mismatch(m, merged), _uncorrelated(m), grow):
             if check:
                 findings.append(check)
     return findings

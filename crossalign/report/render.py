@@ -7,6 +7,7 @@ when complete (summary.json last), so a reader never sees half a report.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import json
 import os
@@ -200,10 +201,37 @@ def render_html(summary: Summary, steps: pd.DataFrame, png: bytes | None) -> str
     return "\n".join(parts)
 
 
+class ReportWriteError(OSError):
+    """The report folder cannot be written (an existing file, a read-only mount, a full disk); names the path."""
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse a report folder that is an existing file, before any work is done for it."""
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ReportWriteError(f"{out_dir}: is an existing file, not a folder: the report needs a folder "
+                               "(new, or one holding an earlier report)")
+
+
 def write_outputs(summary: Summary, merged: pd.DataFrame, out_dir: Path, plot: bool = True) -> None:
-    """Write the five files into out_dir atomically (temporary sibling, then moved in)."""
-    started = time.perf_counter()
+    """Write the five files into out_dir atomically (temporary sibling, then moved in); on failure nothing
+    is left behind (the temporary sibling and any parent folders made for it are removed) and a
+    ``ReportWriteError`` names the path and the cause."""
     out_dir = Path(out_dir)
+    check_out_dir(out_dir)
+    made = [p for p in out_dir.parents if not p.exists()]
+    try:
+        _write_outputs(summary, merged, out_dir, plot)
+    except OSError as exc:
+        for folder in made:  # innermost first; only the empty folders this call made
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise ReportWriteError(f"{out_dir}: cannot write the report: {exc.strerror or exc}{where}; "
+                               "nothing was written") from exc
+
+
+def _write_outputs(summary: Summary, merged: pd.DataFrame, out_dir: Path, plot: bool) -> None:
+    started = time.perf_counter()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     umask = os.umask(0)
