@@ -24,8 +24,11 @@ def compare(*args: str):
 
 
 def test_pass_exits_0_and_prints_the_metrics(tmp_path):
-    result = compare("--npu-log", str(FIXTURES / "mindformers_pynative.log"),
-                     "--gpu-log", str(FIXTURES / "megatron_0.16_noise.log"), "--out", str(tmp_path / "out"))
+    rng = np.random.default_rng(11)
+    gpu_lm = [x * (1 + 1e-4 * e) for x, e in zip(LM30, rng.normal(size=30))]
+    npu = write_log(tmp_path / "npu.log", mindformers_lines(LM30, mtp=[[x + 0.4 for x in LM30]]))
+    gpu = write_log(tmp_path / "gpu.log", megatron_lines(gpu_lm, mtp=[[x + 0.4 for x in gpu_lm]]))
+    result = compare("--npu-log", str(npu), "--gpu-log", str(gpu), "--out", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
     assert "verdict: PASS" in result.output and "lm_loss" in result.output and "mtp_1_loss" in result.output
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["verdict"] == "pass"
@@ -61,7 +64,7 @@ def test_options_reach_the_comparison(tmp_path):
                      "--gpu-log", str(FIXTURES / "megatron_0.16_noise.log"), "--out", str(tmp_path / "out"),
                      "--mtp-loss-scaling-factor", "0.3", "--exclude-steps", "2,4-5",
                      "--megatron-core-version", "0.16.1")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code in (0, 2), result.output  # 7 steps: too few to tell co-movement, by design
     data = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert data["criteria"]["excluded_steps"] == [2, 4, 5]
     assert data["series"]["mtp_1_loss"]["steps_compared"] == 7
