@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
-EventKind = Literal["started", "skipped", "progress", "line", "done", "failed", "retrying"]
+EventKind = Literal["started", "skipped", "progress", "line", "done", "failed", "retrying", "alignment"]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from crossalign.logs.common import LogFormatError, read_log_text
 from crossalign.logs.megatron import ITERATION_RE, parse_megatron_log, parse_megatron_text
 from crossalign.logs.mindformers import GRAPH_RE, PYNATIVE_RE, parse_mindformers_log, parse_mindformers_text
 
-__all__ = ["LogFormatError", "detect_format", "parse_log", "parse_megatron_log", "parse_mindformers_log"]
+__all__ = ["LogFormatError", "detect_format", "parse_log", "parse_log_text", "parse_megatron_log",
+           "parse_mindformers_log"]
 
 
 def detect_format(path: Path, text: str) -> str:
@@ -43,6 +44,13 @@ def parse_log(path: Path, core_version: str | None = "0.16.1", mtp_loss_scaling_
     """
     path = Path(path)
     text, truncated = read_log_text(path)
+    return parse_log_text(path, text, core_version, mtp_loss_scaling_factor, log_interval, truncated)
+
+
+def parse_log_text(path: Path, text: str, core_version: str | None = "0.16.1",
+                   mtp_loss_scaling_factor: float | None = None, log_interval: int | None = None,
+                   truncated: bool = False) -> pd.DataFrame:
+    """``parse_log`` of text already read (complete lines of a log that is still growing); ``path`` names it."""
     fmt = detect_format(path, text)
     if fmt == "megatron":
         return parse_megatron_text(path, text, core_version, truncated, log_interval)
