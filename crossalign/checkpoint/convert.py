@@ -28,7 +28,11 @@ from crossalign.checkpoint.blocks import ReusedBuffer, one_thread
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.faults import inject_fault
 from crossalign.checkpoint.layout import check_expert_form, megatron_shapes, mindformers_buffers, mindformers_shapes
-from crossalign.checkpoint.megatron import read_megatron_checkpoint, stream_megatron_checkpoint
+from crossalign.checkpoint.megatron import (
+    read_megatron_checkpoint,
+    stream_megatron_checkpoint,
+    write_torch_dist_checkpoint,
+)
 from crossalign.checkpoint.mismatch import key_mismatches
 from crossalign.checkpoint.mindformers import (
     MindFormersCheckpoint,
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 
 Direction = Literal["ms2mg", "mg2ms", "hf2ms", "hf2mg", "ms2hf"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "keep": None}
+FORMATS = ("torch", "torch_dist")  # Megatron's --ckpt-format
 Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, what is being done)
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -67,6 +72,7 @@ class ConvertReport:
     pp: int = 1
     ep: int = 1
     dtype: str = "fp32"
+    format: str = "torch"
     fault: str | None = None
     output_validated: bool = True
     notes: list[str] = field(default_factory=list)  # what was left out or added, and why
@@ -253,7 +259,8 @@ def _nbytes(tensors) -> int:
 def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path, output_dir: Path, *,
                        core_version: str = "0.16.1", dtype: str = "fp32", experts: str = "per_expert",
                        tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, fault: str | None = None,
-                       global_batch_size: int | None = None, progress: Progress | None = None) -> ConvertReport:
+                       global_batch_size: int | None = None, progress: Progress | None = None,
+                       ckpt_format: str = "torch") -> ConvertReport:
     """Convert a checkpoint folder into a new folder (which must not exist or be empty).
 
     ms2mg reads a MindFormers checkpoint (one rank's, or several ranks' slices stitched by
@@ -264,6 +271,9 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     common.json records the Megatron iteration (and ``global_batch_size`` with the samples
     consumed, when given).
     ``dtype`` casts floating tensors (fp32, as the source converter does, bf16, or keep).
+    ``ckpt_format`` torch_dist makes ms2mg write Megatron's torch_dist checkpoint instead
+    (``torch_dist.py``): one copy of the whole model, resharded by Megatron at load, so it
+    takes no tp/pp/ep. mg2ms reads either format.
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     if direction in ("hf2ms", "hf2mg", "ms2hf"):
@@ -284,9 +294,30 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                               "ms2mg only (mg2ms reads any Megatron layout)")
     if fault is not None and (direction != "ms2mg" or (tp, pp, ep, etp) != (1, 1, 1, None)):
         raise CheckpointError("fault injection simulates a single-rank ms2mg converter: use it with ms2mg, tp=1, pp=1")
+    if ckpt_format not in FORMATS:
+        raise CheckpointError(f"format {ckpt_format!r} is not one of {', '.join(FORMATS)}")
+    if ckpt_format == "torch_dist" and (direction != "ms2mg" or fault is not None
+                                        or (tp, pp, ep, etp) != (1, 1, 1, None)):
+        raise CheckpointError("--format torch_dist is written by ms2mg without --tp/--pp/--ep/--etp or --fault: "
+                              "Megatron reshards a torch_dist checkpoint to its own layout at load "
+                              "(mg2ms reads either format)")
     check_output_dir(output_dir)
     start = time.perf_counter()
-    if direction == "ms2mg":
+    if direction == "ms2mg" and ckpt_format == "torch_dist":
+        source = read_mindformers_checkpoint(input_dir)
+        entries = source.model_entries()
+        iteration = source.iteration or 0
+        notes = _left_out_buffers(source, model)
+        plan = _forward_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, None,
+                             f"MindFormers checkpoint {source.directory}")
+        keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
+        state = _run(plan, lambda keys: [_cast(source.tensor(key), dtype) for key in keys], keys_in, True, progress)
+        _check_forward_output({k: tuple(v.shape) for k, v in state.items()}, model, core_version, experts, None)
+        keys_out, bytes_out = len(state), _nbytes(state.values())
+        stored = state["embedding.word_embeddings.weight"].dtype
+        written = write_torch_dist_checkpoint(output_dir, iteration, state, model, core_version, stored)
+        files = sorted(written.glob("*.distcp"))
+    elif direction == "ms2mg":
         source = read_mindformers_checkpoint(input_dir)
         entries = source.model_entries()
         iteration = source.iteration or 0
@@ -309,7 +340,7 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                                                  ep=ep, etp=etp)
         files = sorted(written.glob("mp_rank_*/*.pt"))
     else:
-        source_mg = read_megatron_checkpoint(input_dir, model)
+        source_mg = read_megatron_checkpoint(input_dir, model, core_version)
         iteration = source_mg.iteration
         loaded = source_mg.state
         keys_in, bytes_in = len(loaded), _nbytes(loaded.values())
@@ -327,5 +358,6 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         files = sorted(written.glob("*.safetensors"))
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
-                         seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype, fault=fault,
+                         seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype,
+                         format=ckpt_format if direction == "ms2mg" else source_mg.format, fault=fault,
                          output_validated=fault is None, notes=notes)

@@ -33,6 +33,7 @@ from crossalign.checkpoint.atomic import save_iteration
 from crossalign.checkpoint.blocks import BlockCaster
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.reshard import Rank, check_parallel_sizes, merge_shards, shard_shapes, shard_tensor
+from crossalign.checkpoint.torch_dist import fill_torch_dist, is_torch_dist, legacy_state, read_torch_dist_tensors
 from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter
 from crossalign.config import ModelConfig
 
@@ -64,6 +65,7 @@ class MegatronCheckpoint:
     tp: int
     pp: int
     ep: int = 1
+    format: str = "torch"  # Megatron's --ckpt-format: torch (legacy) or torch_dist
 
 
 def find_iteration_dir(path: Path) -> tuple[Path, int]:
@@ -121,14 +123,22 @@ def _ranks_of(folders: dict[tuple[int, ...], Path], shards: dict[tuple[int, ...]
             for numbers in folders}
 
 
-def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None) -> MegatronCheckpoint:
+def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
+                             core_version: str = "0.16.1") -> MegatronCheckpoint:
     """Open a checkpoint given its root (with the tracker) or an ``iter_%07d``/``release`` folder.
 
     All ``mp_rank_*`` shards, of any tensor, pipeline and expert layout, are merged into one
     state dict; merging tensor- or expert-parallel shards needs the model config (the GDN
-    segment sizes and the expert count come from it).
+    segment sizes and the expert count come from it). A torch_dist folder (``torch_dist.py``)
+    is read whole, whatever layout saved it, and needs the model config too.
     """
     directory, iteration = find_iteration_dir(Path(path))
+    if is_torch_dist(directory):
+        if model is None:
+            raise CheckpointError(f"{directory}: reading a torch_dist checkpoint needs the model config")
+        state = legacy_state(read_torch_dist_tensors(directory), model, core_version)
+        return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=1, pp=1,
+                                  format="torch_dist")
     folders: dict[tuple[int, ...], Path] = {}
     for rank_dir in sorted(directory.iterdir()):
         match = _RANK_DIR.fullmatch(rank_dir.name)
@@ -207,3 +217,10 @@ def write_megatron_checkpoint(root: Path, iteration: int, state: Mapping[str, to
     """Save a full state dict held in memory (resharded to tp x pp x ep when asked); returns the iteration folder."""
     specs = {key: TensorSpec(tuple(tensor.shape), tensor.dtype) for key, tensor in state.items()}
     return stream_megatron_checkpoint(root, iteration, specs, state.items(), model=model, tp=tp, pp=pp, ep=ep, etp=etp)
+
+
+def write_torch_dist_checkpoint(root: Path, iteration: int, state: Mapping[str, torch.Tensor], model: ModelConfig,
+                                core_version: str, dtype: torch.dtype) -> Path:
+    """Save a full state dict as a torch_dist checkpoint (``torch_dist.py``), tracker and all; returns the folder."""
+    return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER,
+                          lambda folder: fill_torch_dist(folder, state, model, core_version, dtype))

@@ -81,6 +81,10 @@ def convert_command(
                            "num_experts/ep routed experts, numbered locally, in mp_rank_TT[_PPP]_EEE."),
     etp: Optional[int] = typer.Option(None, "--etp", help="Expert tensor-parallel size of the Megatron output "
                                       "(ms2mg; default: --tp, as Megatron defaults it; must divide --tp)."),
+    ckpt_format: str = typer.Option("torch", "--format", help="Megatron checkpoint format written by ms2mg: torch "
+                                    "(legacy mp_rank_* files at --tp/--pp/--ep) or torch_dist (Megatron's default "
+                                    "--ckpt-format, resharded by Megatron at load; written by megatron-core). "
+                                    "mg2ms reads either."),
     fault: Optional[str] = typer.Option(None, "--fault", help="Inject a known conversion bug (self-check only); "
                                         "the output is then written without validation."),
 ) -> None:
@@ -111,12 +115,12 @@ def convert_command(
             result = convert_checkpoint(
                 config.model, direction, input_dir, output_dir,  # type: ignore[arg-type]
                 core_version=version, dtype=dtype, experts=forms[experts], tp=tp, pp=pp, ep=ep, etp=etp,
-                fault=fault,
-                global_batch_size=config.training.global_batch_size, progress=report)
+                fault=fault, global_batch_size=config.training.global_batch_size, progress=report,
+                ckpt_format=ckpt_format)
     table = Table(title=f"{direction} {config.model.name} (core {version})", show_header=False)
     table.add_row("keys", f"{result.keys_in} in -> {result.keys_out} out")
     table.add_row("bytes", f"{_size(result.bytes_in)} in -> {_size(result.bytes_out)} out ({dtype})")
-    table.add_row("layout", f"tp={result.tp} pp={result.pp} ep={result.ep}, iteration {result.iteration}, {len(result.files)} file(s)")
+    table.add_row("layout", f"{result.format} tp={result.tp} pp={result.pp} ep={result.ep}, iteration {result.iteration}, {len(result.files)} file(s)")
     table.add_row("time", f"{result.seconds:.1f} s")
     table.add_row("output", str(output_dir))
     console.print(table)
