@@ -24,8 +24,9 @@ def served(tmp_path_factory):
     store = root / "store"
     (store / "r1" / "06-compare").mkdir(parents=True)
     (store / "r1" / "06-compare" / "report.html").write_text("<h1>verdict: pass</h1>")
-    for run_id, created, verdict in (("old-run", "2026-11-01T10:00:00", "fail"), ("new-run", "2026-11-02T10:00:00",
-                                                                               "pass"), ("running", "2026-11-03", None)):
+    runs = (("old-run", "2026-11-01T10:00:00", "fail"), ("new-run", "2026-11-02T10:00:00", "pass"),
+            ("running", "2026-11-03T10:00:00", None))
+    for run_id, created, verdict in runs:
         (store / run_id).mkdir()
         (store / run_id / "run.json").write_text(json.dumps({"run_id": run_id, "created": created}))
         if verdict:

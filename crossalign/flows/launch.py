@@ -103,8 +103,11 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
     with _api_trouble_is_infrastructure(step), get_client(sync_client=True) as client:
         while True:
             key = f"{run.run_id}:{step}" if attempt == 1 else f"{run.run_id}:{step}:{attempt}"
-            child = run_deployment(name, parameters=parameters, idempotency_key=key, timeout=0,
-                                   flow_run_name=f"{run.run_id}-{step}" + (f"-{attempt}" if attempt > 1 else ""))
+            flow_run_name = f"{run.run_id}-{step}" + (f"-{attempt}" if attempt > 1 else "")
+            # an attempt that ended is read, not asked for again: run_deployment would add a task run to the
+            # parent's graph for it that nothing ever finishes
+            child = _ended_attempt(client, flow_run_name, key) or run_deployment(
+                name, parameters=parameters, idempotency_key=key, timeout=0, flow_run_name=flow_run_name)
             if child.state is not None and child.state.is_final():
                 if child.state.is_completed() and run.is_done(step):
                     reporter.logger.info(f"{step}: attempt {attempt} ({child.name}) already completed it")
@@ -127,6 +130,17 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
             if state.is_crashed() or attempt_record.get("retryable"):
                 raise InfrastructureError(step, f"{where}: {detail}")
             raise StepFailed(step, f"{where}: {detail}")
+
+
+def _ended_attempt(client, flow_run_name: str, key: str):
+    """The flow run of an attempt (its name and idempotency key) if it exists and has ended, else None."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    named = FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name]))
+    for flow_run in client.read_flow_runs(flow_run_filter=named):
+        if flow_run.idempotency_key == key and flow_run.state is not None and flow_run.state.is_final():
+            return flow_run
+    return None
 
 
 def _name_tracking_task_run(client, child, name: str) -> None:
