@@ -171,6 +171,8 @@ def test_unknown_core_version_tests_both_iteration2_readings(tmp_path, writer, r
     assert test[f"err_{reading}"] < 0.01 * test["err_" + ({"mean_undone", "as_printed"} - {reading}).pop()]
     assert summary.verdict == "pass" and summary.series["lm_loss"].step1_rel_err < 0.005
     assert any("core version unknown" in n and "%" in n for n in summary.notes)
+    step2 = [n for n in summary.notes if "step 2 " in n or "step(s) 2 " in n]
+    assert len(step2) == 1 and "tested both ways" in step2[0], "one sentence says how step 2 was read"
 
 
 def test_known_core_version_bounds_the_correction(tmp_path):

@@ -206,11 +206,14 @@ def _resolve_iteration2(frames: dict[str, pd.DataFrame], notes: list[str]) -> li
                      f"{step} taken out"}
             writer = {"as_printed": "a core without the iteration-2 mean", "mean_undone": "a core 0.16-0.19"}
             notes.append(
-                f"{side}: Megatron core version unknown: at step {step} the lm loss read {words[used]} "
-                f"({test[used]:.6g}) is {_pct(test['err_' + used])} from the other log ({value:.6g}); read "
-                f"{words[unused]} it would be {_pct(test['err_' + unused])}: the log is read as written by "
-                f"{writer[used]} (pass --megatron-core-version to decide it instead)")
+                f"{side}: Megatron core version unknown, so step {step} was tested both ways against the other log "
+                f"({value:.6g}) and is read {words[used]} ({test[used]:.6g}, {_pct(test['err_' + used])} off; "
+                f"{words[unused]} it would be {_pct(test['err_' + unused])} off), as {writer[used]} writes it "
+                "(pass --megatron-core-version to decide it instead)")
             tests.append(test)
+        if frame.attrs.get("iteration2"):
+            # the parser's note says the line was left as printed for this test to decide: the note above says how
+            frame.attrs["notes"] = [n for n in frame.attrs["notes"] if not n.startswith("Megatron core version not given")]
     return tests
 
 
