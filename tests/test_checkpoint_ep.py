@@ -128,3 +128,12 @@ def test_a_missing_expert_rank_is_named(tmp_path, source):
     (out / "iter_0000004" / "mp_rank_00_001_001").rmdir()
     with pytest.raises(CheckpointError, match=r"\(tp, pp, ep\) \[\(0, 1, 1\)\] are missing"):
         read_megatron_checkpoint(out, MOE)
+
+
+def test_diagnose_reads_a_sharded_checkpoint_and_finds_no_divergence(tmp_path, source):
+    from crossalign.diagnose.run import diagnose
+
+    convert_checkpoint(MOE, "ms2mg", source, tmp_path / "mg", tp=2, pp=2, ep=2)
+    result = diagnose(load_config("qwen35_moe_tiny"), source, tmp_path / "mg", tmp_path / "out", seq=32, batch=1,
+                      save_tensors=False)
+    assert not result.diagnosis.diverged, result.diagnosis.hint()

@@ -140,3 +140,10 @@ def test_megatron_core_loads_it_at_other_layouts_and_its_own_saves_convert_back(
     for name in LAYOUTS:
         convert_checkpoint(MOE, "mg2ms", tmp_path / name, tmp_path / f"ms-{name}", dtype="bf16")
         assert _same_as_source(tmp_path / f"ms-{name}", bf16_source[1]) == [], name
+
+
+def test_diagnose_reads_a_torch_dist_checkpoint(tmp_path, torch_dist, bf16_source):
+    from crossalign.diagnose.run import diagnose
+
+    result = diagnose(CONFIG, bf16_source[0], torch_dist[0], tmp_path / "out", seq=32, batch=1, save_tensors=False)
+    assert not result.diagnosis.diverged, result.diagnosis.hint()

@@ -118,7 +118,8 @@ def diagnose(config: AlignmentConfig, ms_ckpt: Path, mg_ckpt: Path, out_dir: Pat
     dump_mindspore(model, read_mindformers_checkpoint(Path(ms_ckpt)).model_state(), the_batch,
                    out_dir / MINDSPORE_DUMP, meta={**meta, "checkpoint": str(ms_ckpt)}, **options)
     stage("PyTorch forward with dump hooks")
-    _, load_problems = dump_megatron(model, read_megatron_checkpoint(Path(mg_ckpt), model).state, the_batch,
+    _, load_problems = dump_megatron(model, read_megatron_checkpoint(Path(mg_ckpt), model, core_version).state,
+                                     the_batch,
                                      out_dir / MEGATRON_DUMP, core_version,
                                      meta={**meta, "checkpoint": str(mg_ckpt)}, **options)
     stage("comparing")
