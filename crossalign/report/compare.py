@@ -213,7 +213,8 @@ def _resolve_iteration2(frames: dict[str, pd.DataFrame], notes: list[str]) -> li
             tests.append(test)
         if frame.attrs.get("iteration2"):
             # the parser's note says the line was left as printed for this test to decide: the note above says how
-            frame.attrs["notes"] = [n for n in frame.attrs["notes"] if not n.startswith("Megatron core version not given")]
+            frame.attrs["notes"] = [note for note in frame.attrs["notes"]
+                                    if not note.startswith("Megatron core version not given")]
     return tests
 
 

@@ -148,8 +148,8 @@ def _uncorrelated(metrics: SeriesMetrics) -> dict | None:
     trend = "" if metrics.pearson is None else f" although the curves correlate (pearson {metrics.pearson:.3f}) through their shared trend"
     return _finding("uncorrelated", (
         f"{metrics.name}: the two runs do not move together step by step (co-movement {metrics.comove:.3f} < "
-        f"{metrics.comove_min:.3f}: their difference moves {metrics.difference_spread:.2g} per step, each run on its own "
-        f"{metrics.fluctuation:.2g}){trend}: they see different samples at the same step. "
+        f"{metrics.comove_min:.3f}: their difference moves {metrics.difference_spread:.2g} per step, each run on "
+        f"its own {metrics.fluctuation:.2g}){trend}: they see different samples at the same step. "
         "Likely cause: the sample order (seed 1234 on both, split 1,0,0, blend form, cyclic vs single loader); "
         "run `crossalign preflight data --model CONFIG --megatron-args ... --mindformers-yaml ...` to find the "
         "setting"), metrics.name)
@@ -210,7 +210,8 @@ def diagnose(series: dict[str, SeriesMetrics], merged: pd.DataFrame, frames: dic
         grow = growing[m.name]
         if grow and m.name == "aux_loss" and not judged_grow:
             grow = _routing_drift(grow)
-        for check in (_step2_spike(m, merged, frames, lr, precision), _offset_or_mismatch(m, merged), _uncorrelated(m), grow):
+        checks = (_step2_spike(m, merged, frames, lr, precision), _offset_or_mismatch(m, merged), _uncorrelated(m), grow)
+        for check in checks:
             if check:
                 findings.append(check)
     return findings

@@ -134,7 +134,7 @@ def _hanning(median: np.ndarray) -> np.ndarray:
     return (median[:-2] + 2 * median[1:-1] + median[2:]) / 4
 
 
-def _trimmed_rms(residual: np.ndarray, to_sigma: float) -> float:
+def _rejecting_rms(residual: np.ndarray, to_sigma: float) -> float:
     """Root mean square of the residuals about their median, those beyond REJECT robust sigmas (MAD) left out
     (spikes, however many, up to half), scaled by ``to_sigma`` to the standard deviation of white noise."""
     residual = np.abs(residual - np.median(residual))
@@ -144,22 +144,22 @@ def _trimmed_rms(residual: np.ndarray, to_sigma: float) -> float:
 
 
 def _fluctuation(x: np.ndarray, scale: np.ndarray | None = None, *, trend_free: bool = False) -> float:
-    """The per-step fluctuation of ``x`` around a smooth curve through it (each residual relative to the curve
-    of ``|scale|``: the loss falls). Of the two curves (running median; with the 1-2-1 mean) the smaller
+    """The per-step fluctuation of ``x`` around a smooth curve through it (each residual relative to ``|scale|``
+    at its step: the loss falls). Of the two curves (running median; with the 1-2-1 mean) the smaller
     fluctuation is taken, so neither a bend nor a spike can make a side look more fluctuating than it is;
     a ``trend_free`` series (the runs' difference) uses the steadier 1-2-1 curve alone."""
     if len(x) <= 2 * SMOOTH_EDGE:
         return 0.0
     median = _running_median(x)
-    curves = {"hanning": (x[3:-3] - _hanning(median), HANNING_TO_SIGMA)}
+    curves = [(x[3:-3] - _hanning(median), HANNING_TO_SIGMA)]
     if not trend_free:
-        curves["median"] = (x[2:-2] - median, MEDIAN_TO_SIGMA)
+        curves.append((x[2:-2] - median, MEDIAN_TO_SIGMA))
     found = []
-    for residual, to_sigma in curves.values():
+    for residual, to_sigma in curves:
         if scale is not None:
             edge = (len(x) - len(residual)) // 2
             residual = residual / np.abs(scale[edge:len(x) - edge])
-        found.append(_trimmed_rms(residual, to_sigma))
+        found.append(_rejecting_rms(residual, to_sigma))
     return min(found)
 
 
