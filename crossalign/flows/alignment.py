@@ -70,6 +70,8 @@ def prepare(store: str, config: str | None, run_id: str, overrides: list[str], d
         run = prepare_run(RunStore(store), config, run_id=run_id, overrides=overrides, dataset=dataset, mode=mode,
                           from_hf=None if from_hf is None else Path(from_hf))
     logger.info(f"run {run.run_id} in {run.path} (dataset {run.dataset.prefix})")
+    # the report links back to the flow run that carried the run out last
+    run.update_info(prefect_flow_run={"id": str(current_flow_run.get_id() or ""), "url": current_flow_run.ui_url})
     if rerun:
         token = str(current_flow_run.get_id() or "")
         if token not in run.info.get("rerun_by", []):

@@ -122,10 +122,11 @@ def _ran(side: str, summary: Summary) -> str:
     return f", trained by {implementation}" if implementation else ""
 
 
-def render_markdown(summary: Summary, steps: pd.DataFrame, with_plot: bool) -> str:
+def render_markdown(summary: Summary, steps: pd.DataFrame, with_plot: bool, run_link: dict | None = None) -> str:
     rows = metric_rows(summary)
     header = list(rows[0])
-    lines = [f"# crossalign comparison: {summary.verdict.upper()}", "",
+    lines = [f"# crossalign comparison{_of_run(run_link)}: {summary.verdict.upper()}", "",
+             *([f"[the run in Prefect]({run_link['url']})", ""] if run_link and run_link.get("url") else []),
              f"- npu log: `{summary.inputs['npu']['path']}` ({summary.inputs['npu']['format']}){_ran('npu', summary)}",
              f"- gpu log: `{summary.inputs['gpu']['path']}` ({summary.inputs['gpu']['format']}){_ran('gpu', summary)}",
              f"- gold standard (a pass with step-1 rel err < {GOLD_LIMIT * 100:g}%): {'yes' if summary.gold_standard else 'no'}",
@@ -165,17 +166,27 @@ def _frame_rows(frame: pd.DataFrame) -> list[dict[str, str]]:
              for c, v in row.items()} for _, row in frame.iterrows()]
 
 
-def render_html(summary: Summary, steps: pd.DataFrame, png: bytes | None) -> str:
+def _of_run(run_link: dict | None) -> str:
+    return f" of run {run_link['run_id']}" if run_link else ""
+
+
+def render_html(summary: Summary, steps: pd.DataFrame, png: bytes | None, run_link: dict | None = None) -> str:
+    """The report page; ``run_link`` ({run_id, url}: the run of the store and its flow run in the Prefect UI)
+    names the run in the heading and links back to the flow run."""
     color = {"pass": "#1a7f37", "fail": "#cf222e", "invalid": "#9a6700"}[summary.verdict]
     items = lambda xs: "<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in xs) + "</ul>" if xs else "<p>none</p>"  # noqa: E731
     worst = steps.nlargest(10, "lm_loss_rel_err") if "lm_loss_rel_err" in steps else steps.head(0)
     lr = summary.lr
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>crossalign comparison</title><style>",
+        f"<!doctype html><html><head><meta charset='utf-8'><title>crossalign comparison"
+        f"{html.escape(_of_run(run_link))}</title><style>",
         "body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}",
         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#f3f3f3}",
         f".verdict{{color:{color};font-size:2em;font-weight:bold}}code{{background:#f3f3f3}}",
         "</style></head><body>",
+        *([f"<h1>run {html.escape(run_link['run_id'])}</h1>"] if run_link else []),
+        *([f"<p><a href='{html.escape(run_link['url'])}'>the run in Prefect</a></p>"]
+          if run_link and run_link.get("url") else []),
         f"<p class='verdict'>{summary.verdict.upper()}</p>",
         f"<p>npu log <code>{html.escape(summary.inputs['npu']['path'])}</code> "
         f"({html.escape(summary.inputs['npu']['format'])}){html.escape(_ran('npu', summary))}, "
@@ -212,7 +223,8 @@ def check_out_dir(out_dir: Path) -> None:
                                "(new, or one holding an earlier report)")
 
 
-def write_outputs(summary: Summary, merged: pd.DataFrame, out_dir: Path, plot: bool = True) -> None:
+def write_outputs(summary: Summary, merged: pd.DataFrame, out_dir: Path, plot: bool = True,
+                  run_link: dict | None = None) -> None:
     """Write the five files into out_dir atomically (temporary sibling, then moved in); on failure nothing
     is left behind (the temporary sibling and any parent folders made for it are removed) and a
     ``ReportWriteError`` names the path and the cause."""
@@ -220,7 +232,7 @@ def write_outputs(summary: Summary, merged: pd.DataFrame, out_dir: Path, plot: b
     check_out_dir(out_dir)
     made = [p for p in out_dir.parents if not p.exists()]
     try:
-        _write_outputs(summary, merged, out_dir, plot)
+        _write_outputs(summary, merged, out_dir, plot, run_link)
     except OSError as exc:
         for folder in made:  # innermost first; only the empty folders this call made
             with contextlib.suppress(OSError):
@@ -230,7 +242,8 @@ def write_outputs(summary: Summary, merged: pd.DataFrame, out_dir: Path, plot: b
                                "nothing was written") from exc
 
 
-def _write_outputs(summary: Summary, merged: pd.DataFrame, out_dir: Path, plot: bool) -> None:
+def _write_outputs(summary: Summary, merged: pd.DataFrame, out_dir: Path, plot: bool,
+                   run_link: dict | None) -> None:
     started = time.perf_counter()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -244,8 +257,8 @@ def _write_outputs(summary: Summary, merged: pd.DataFrame, out_dir: Path, plot: 
         if plot:
             plot_losses(summary, merged, tmp / FILES["plot"])
             png = (tmp / FILES["plot"]).read_bytes()
-        (tmp / FILES["html"]).write_text(render_html(summary, steps, png), encoding="utf-8")
-        (tmp / FILES["markdown"]).write_text(render_markdown(summary, steps, plot), encoding="utf-8")
+        (tmp / FILES["html"]).write_text(render_html(summary, steps, png, run_link), encoding="utf-8")
+        (tmp / FILES["markdown"]).write_text(render_markdown(summary, steps, plot, run_link), encoding="utf-8")
         summary.files = {k: v for k, v in FILES.items() if (tmp / v).exists() or k == "summary"}
         summary.timings["render_s"] = round(time.perf_counter() - started, 4)
         (tmp / FILES["summary"]).write_text(json.dumps(summary.to_dict(), indent=2, allow_nan=False) + "\n",

@@ -29,7 +29,9 @@ def compare(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
         implementations = {side: manifest["details"]["implementation"]
                            for side, manifest in (("npu", npu), ("gpu", gpu))
                            if manifest.get("details", {}).get("implementation")}
-        summary = compare_logs(npu_log, gpu_log, out.dir, options, implementations=implementations)
+        flow_run = run.info.get("prefect_flow_run") or {}
+        summary = compare_logs(npu_log, gpu_log, out.dir, options, implementations=implementations,
+                               run_link={"run_id": run.run_id, "url": flow_run.get("url")})
         data = summary.to_dict()
         if not (out.dir / SUMMARY).exists():
             write_json_atomic(out.dir / SUMMARY, data)
