@@ -71,7 +71,7 @@ def test_independent_fluctuations_under_a_shared_trend_never_pass(tmp_path):
     assert verdicts == ["fail"] * 10
 
 
-FAMILY_SAMPLE = 6  # pairs per member and kind in the suite; benchmarks/verdict_family.py runs the full count
+FAMILY_SAMPLE = 4  # pairs per member and kind in the suite; benchmarks/verdict_family.py runs the full count
 
 
 def test_generator_family_never_false_passes_nor_false_fails():
