@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from crossalign.backends.base import DatasetFiles, TrainRequest
 from crossalign.backends.launch import BackendRunError, BackendSetupError
@@ -22,6 +23,7 @@ from crossalign.backends.megatron import (
 )
 from crossalign.backends.mindformers import mindformers_yaml
 from crossalign.backends.preflight import preflight_config
+from crossalign.checkpoint.megatron import write_megatron_checkpoint
 from crossalign.config import load_config
 from crossalign.launch_files import parse_megatron_args
 from crossalign.site import FrameworkSite, SiteConfig
@@ -143,16 +145,12 @@ def test_log_verdicts(tmp_path: Path):
     good = write_log(tmp_path / "good.log", [loaded, *iteration_lines(3)])
     verify_megatron_log(good, iterations=3, loaded=True, exit_status=0)
 
-    extra_only = write_log(tmp_path / "extra.log", [
-        "load_return: _IncompatibleKeys(missing_keys=['decoder.layers.0.self_attention.in_proj._extra_state'], "
-        "unexpected_keys=[])", loaded, *iteration_lines(3)])
-    verify_megatron_log(extra_only, iterations=3, loaded=True, exit_status=0)
-
-    missing = write_log(tmp_path / "missing.log", [
-        "load_return: _IncompatibleKeys(missing_keys=['mtp.layers.0.transformer_layer.mlp.router.weight'], "
-        "unexpected_keys=['mtp.layers.0.mtp_model_layer.mlp.router.weight'])", loaded, *iteration_lines(3)])
-    with pytest.raises(BackendRunError, match=r"2 weights stay random.*transformer_layer.*missing.log:1: load_return"):
-        verify_megatron_log(missing, iterations=3, loaded=True, exit_status=0)
+    # what core_v0.16.1 prints after a failed strict load, whatever failed (the wrappers drop the result:
+    # checkpointing.py:1759-1767); the line comes from a rehearsal of pretrain() on CPU (tests/test_rehearsal.py)
+    non_strict = write_log(tmp_path / "non_strict.log", ["load_return: None", loaded, *iteration_lines(3)])
+    assert verify_megatron_log(non_strict, iterations=3, loaded=True, exit_status=0) == \
+        f"{non_strict}:1: load_return: None"
+    assert verify_megatron_log(good, iterations=3, loaded=True, exit_status=0) is None
 
     pickle = write_log(tmp_path / "pickle.log", ["building GPT model ...", "could not load the checkpoint", "boom"])
     with pytest.raises(BackendRunError, match=r"exits 0 anyway.*pickle.log:2"):
@@ -173,15 +171,16 @@ def test_log_verdicts(tmp_path: Path):
 def checkout(tmp_path: Path) -> Path:
     root = tmp_path / "Megatron-LM"
     shutil.copytree(FIXTURES / "megatron_tree", root)
-    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "core").mkdir(parents=True, exist_ok=True)
     shutil.copy(PACKAGE_INFO, root / "megatron" / "core" / "package_info.py")
     return root
 
 
 def test_entry_point_by_version(checkout: Path):
+    # the launcher on every version: it writes the load digest (from 0.19 its builder builds upstream's specs)
     assert entry_point(checkout, (0, 16, 1)) == LAUNCHER
     assert entry_point(checkout, (0, 18, 2)) == LAUNCHER
-    assert entry_point(checkout, (0, 19, 0)) == checkout / "pretrain_gpt.py"
+    assert entry_point(checkout, (0, 19, 0)) == LAUNCHER
     with pytest.raises(BackendSetupError, match="has no GatedDeltaNet"):
         entry_point(checkout, (0, 15, 3))
 
@@ -192,6 +191,9 @@ def request_for(tmp_path: Path, steps: list) -> TrainRequest:
                                      "added_tokens": [{"id": 2000, "content": "<eod>"}]}))
     config = load_config("qwen35_moe_tiny")
     config = config.model_copy(update={"training": config.training.model_copy(update={"train_iters": 4})})
+    if not (tmp_path / "converted").exists():
+        write_megatron_checkpoint(tmp_path / "converted", 0, {"embedding.word_embeddings.weight": torch.ones(3, 2),
+                                                              "decoder.final_layernorm.weight": torch.arange(2.0)})
     return TrainRequest(config=config, side="megatron", mode="align",
                         data=DatasetFiles(prefix=tmp_path / "data" / "corpus_text_document", tokenizer=tokenizer),
                         output_dir=tmp_path / "04-megatron-train", init_checkpoint=tmp_path / "converted",
@@ -220,12 +222,27 @@ def test_train_through_run_script_and_launcher(tmp_path: Path, checkout: Path):
         assert needle in script, needle
     args = (request.output_dir / "megatron_args.txt").read_text().split()
     assert args[:2] == ["--transformer-impl", "transformer_engine"]
+    # Megatron's dataset index cache goes to the step, never next to the shared dataset
+    assert args[args.index("--data-cache-path") + 1] == str(request.output_dir.absolute() / "data_cache")
+    # the dataset helpers are built by the framework's own python3, first on PATH, before training
+    assert f'export PATH={Path(sys.executable).parent}:"$PATH"' in script
+    assert "megatron.core.datasets.helpers_cpp" in script
+    assert json.loads((request.output_dir / "load_digest" / "mp_rank_00.json").read_text())["rank"] == "mp_rank_00"
+
+
+@pytest.mark.timeout(120)
+def test_a_partial_load_fails_the_step_naming_the_tensor(tmp_path: Path, checkout: Path):
+    """Megatron prints only 'load_return: None' and 'successfully loaded': the load digest names what is missing."""
+    backend = MegatronBackend(site=site_for(checkout, FAKE_MEGATRON="partial"))
+    with pytest.raises(BackendRunError, match=r"1 in the checkpoint but never loaded \(extra or renamed\): "
+                                              r"decoder.final_layernorm.weight.*train.log:\d+: load_return: None"):
+        backend.train(request_for(tmp_path, []))
 
 
 @pytest.mark.timeout(120)
 def test_failed_unpickle_with_exit_zero_is_an_error(tmp_path: Path, checkout: Path):
     backend = MegatronBackend(site=site_for(checkout, FAKE_MEGATRON="bad-pickle"))
-    with pytest.raises(BackendRunError, match="could not unpickle.*train.log:2"):
+    with pytest.raises(BackendRunError, match=r"could not unpickle.*train.log:\d+: could not load"):
         backend.train(request_for(tmp_path, []))
 
 

@@ -43,7 +43,7 @@ from crossalign.backends.launch import (
     progress_callback,
     write_run_script,
 )
-from crossalign.config import AlignmentConfig
+from crossalign.config import AlignmentConfig, MegatronParallel
 from crossalign.patching import PATCH_DIR, megatron_core_version, parse_version
 
 if TYPE_CHECKING:
@@ -104,6 +104,21 @@ def tokenizer_size(tokenizer: Path) -> int:
     return max(ids) + 1 if ids else 0
 
 
+def parallel_args(layout: MegatronParallel, moe: bool) -> list[str]:
+    """The layout's flags (core_v0.16.1 megatron/training/arguments.py, _add_distributed_args)."""
+    args = ["--tensor-model-parallel-size", str(layout.tensor), "--pipeline-model-parallel-size", str(layout.pipeline)]
+    if layout.virtual_pipeline_layers is not None:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(layout.virtual_pipeline_layers)]
+    if moe:
+        args += ["--expert-model-parallel-size", str(layout.expert),
+                 "--expert-tensor-parallel-size", str(layout.expert_tensor_size)]
+    if layout.context > 1:
+        args += ["--context-parallel-size", str(layout.context)]
+    if layout.sequence_parallel:
+        args.append("--sequence-parallel")
+    return args
+
+
 def megatron_args(
     config: AlignmentConfig,
     *,
@@ -111,7 +126,7 @@ def megatron_args(
     tokenizer: Path | str | None,
     load_dir: Path | str | None,
     save_dir: Path | str | None = None,
-    nproc: int = 1,
+    nproc: int | None = None,
     train_iters: int | None = None,
     data_cache_dir: Path | str | None = None,
 ) -> list[str]:
@@ -119,15 +134,22 @@ def megatron_args(
 
     The dataset is already tokenised, so Megatron gets a NullTokenizer sized to the padded vocab
     (its pad id is -1, like the MindFormers loader's ``pad: -1``: no token is masked on either
-    side); ``tokenizer`` is checked to fit in that vocab. ``nproc`` GPUs run data parallel.
+    side); ``tokenizer`` is checked to fit in that vocab. The parallel layout is the config's
+    ``parallel.megatron`` (``nproc`` GPUs per node in place of its cards_per_node when given); the
+    GPUs it leaves run data parallel.
     Without ``data_cache_dir`` Megatron writes its index cache next to the data
     (``<data_prefix_dir>/cache/GPTDataset_indices``, megatron_dataset.py), i.e. into the shared store.
     """
-    m, t = config.model, config.training
+    m, t, layout = config.model, config.training, config.parallel.megatron
     iters = train_iters or t.train_iters
-    if t.global_batch_size % (t.micro_batch_size * nproc):
+    world = (nproc or layout.cards_per_node) * layout.nodes
+    if world % layout.model_parallel:
+        raise BackendSetupError(f"parallel.megatron: TP {layout.tensor} x PP {layout.pipeline} x CP {layout.context} "
+                                f"does not fit {world} GPUs")
+    data_parallel = world // layout.model_parallel
+    if t.global_batch_size % (t.micro_batch_size * data_parallel):
         raise BackendSetupError(f"training.global_batch_size {t.global_batch_size} is not a multiple of "
-                                f"micro_batch_size {t.micro_batch_size} x {nproc} GPUs")
+                                f"micro_batch_size {t.micro_batch_size} x {data_parallel} GPUs")
     if tokenizer is not None and tokenizer_size(Path(tokenizer)) > m.padded_vocab_size:
         raise BackendSetupError(f"{tokenizer}: {tokenizer_size(Path(tokenizer))} tokens do not fit "
                                 f"model.padded_vocab_size {m.padded_vocab_size}")
@@ -211,8 +233,7 @@ def megatron_args(
         "--adam-beta2", _num(t.adam_beta2),
         "--adam-eps", _num(t.adam_eps),
         "--clip-grad", _num(t.clip_grad),
-        "--tensor-model-parallel-size", "1",
-        "--pipeline-model-parallel-size", "1",
+        *parallel_args(layout, m.is_moe),
         "--no-gradient-accumulation-fusion",
         "--log-interval", "1",
         "--ckpt-format", "torch",
@@ -325,8 +346,7 @@ def verify_load_digest(digest_dir: Path, checkpoint: Path, config: AlignmentConf
     hook splits them. Raises :class:`LoadDigestError` naming every missing, extra, renamed or
     different tensor; returns how many tensors were verified.
     """
-    from crossalign.backends.local.torch_model import unstack_expert_weights
-    from crossalign.checkpoint.digest import LoadDigestError, compare_loaded, read_digest
+    from crossalign.checkpoint.digest import LoadDigestError, compare_loaded, read_digest, split_stacked_experts
     from crossalign.checkpoint.te_local import local_to_te_names
 
     names = local_to_te_names(config.model, config.training.megatron_core_version)
@@ -336,10 +356,7 @@ def verify_load_digest(digest_dir: Path, checkpoint: Path, config: AlignmentConf
         if not path.exists():
             raise LoadDigestError(f"{path}: Megatron wrote no load digest for rank {rank} of {checkpoint} "
                                   f"(patches/megatron/pretrain_qwen35.py writes it after loading)")
-        if config.model.num_experts is not None:
-            for key in list(state):
-                if key.endswith((".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")):
-                    unstack_expert_weights(state, key[: -len("weight")], config.model.num_experts)
+        state = split_stacked_experts(state, config.model.num_experts)
         loaded = read_digest(path)
         compare_loaded(loaded, state, what=f"Megatron rank {rank} ({path}) vs the checkpoint {checkpoint}",
                        rename=lambda name: names.get(name, name))
@@ -405,22 +422,31 @@ if found and sys.version_info[:2] < (int(found[1]), int(found[2])):
 # that Python, which this interpreter never imports: so the helpers are built here with this
 # interpreter's own include flags and suffix (make then finds them built), and imported to prove it.
 DATASET_HELPERS_CHECK = """
-import subprocess, sys, sysconfig
-try:
-    import megatron.core.datasets.helpers_cpp
-except ImportError:
+import importlib.machinery, importlib.util, os, subprocess, sys, sysconfig
+folder = os.path.join("megatron", "core", "datasets")
+library = os.path.join(folder, "helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX"))
+
+def loads():
+    if not os.path.exists(library):
+        return "not built"
+    loader = importlib.machinery.ExtensionFileLoader("megatron.core.datasets.helpers_cpp", os.path.abspath(library))
+    try:
+        loader.exec_module(importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader)))
+    except ImportError as exc:
+        return str(exc)
+
+if os.path.exists(os.path.join(folder, "helpers.cpp")) and loads() is not None:
     try:
         import pybind11
     except ImportError:
         sys.exit(f"{sys.executable} has no pybind11: Megatron compiles its dataset helpers with it at start-up")
     flags = f"-I{sysconfig.get_paths()['include']} -I{pybind11.get_include()}"
-    done = subprocess.run(["make", "-C", "megatron/core/datasets", f"CPPFLAGS={flags}",
+    done = subprocess.run(["make", "-C", folder, f"CPPFLAGS={flags}",
                            f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"], capture_output=True, text=True)
-    try:
-        import megatron.core.datasets.helpers_cpp
-    except ImportError as exc:
-        sys.exit(f"Megatron's dataset helpers do not build for {sys.executable} (make -C megatron/core/datasets, "
-                 f"needs make and g++): {exc}; make said: {(done.stderr or done.stdout).strip()[-800:]}")
+    why = loads()
+    if why is not None:
+        sys.exit(f"Megatron's dataset helpers do not build for {sys.executable} (make -C {folder}, needs make "
+                 f"and g++): {why}; make said: {(done.stderr or done.stdout).strip()[-800:]}")
 """
 
 
@@ -484,8 +510,13 @@ class MegatronBackend(FrameworkBackend):
         # PYTHONPATH: the checkout's own megatron/core (with the Makefile and helpers.cpp the wheel lacks)
         env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "MEGATRON_LM_PATH": str(checkout),
                "CROSSALIGN_LOAD_DIGEST_DIR": str(request.output_dir.absolute() / LOAD_DIGEST_DIR), **site.env}
-        command = [site.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                   "--nproc_per_node", str(site.nproc_per_node), str(entry), *args]
+        layout = request.config.parallel.megatron
+        if site.nproc_per_node < layout.cards_per_node:
+            raise BackendSetupError(f"parallel.megatron.cards_per_node is {layout.cards_per_node}, but the site's "
+                                    f"megatron.nproc_per_node is {site.nproc_per_node}")
+        rendezvous = ["--standalone"] if layout.nodes == 1 else []  # several nodes: the site's env gives the master
+        command = [site.python, "-m", "torch.distributed.run", *rendezvous, "--nnodes", str(layout.nodes),
+                   "--nproc_per_node", str(layout.cards_per_node), str(entry), *args]
         checks = [(site.python, "-c", REQUIRES_PYTHON_CHECK)] if site.ssh_host is not None else []
         checks.append((site.python, "-c", DATASET_HELPERS_CHECK))
         # the dataset helpers are built by whatever python3 is first on PATH: make it the framework's own
@@ -510,7 +541,7 @@ class MegatronBackend(FrameworkBackend):
             request.config, data_prefix=request.data.prefix.absolute(), tokenizer=request.data.tokenizer,
             load_dir=request.init_checkpoint.absolute(),
             save_dir=request.checkpoint_dir.absolute() if request.save else None,
-            nproc=self.site.megatron.nproc_per_node, train_iters=request.iterations,
+            train_iters=request.iterations,
             data_cache_dir=request.output_dir.absolute() / DATA_CACHE_DIR)
         request.output_dir.mkdir(parents=True, exist_ok=True)
         (request.output_dir / ARGS_FILE).write_text("\n".join(args) + "\n")

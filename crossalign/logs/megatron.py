@@ -52,6 +52,7 @@ _PROCESS_START_MARKERS = ("[before the start of training step]",
                           "------------------------ arguments ------------------------")
 _INCOMPATIBLE_RE = re.compile(r"load_return: _IncompatibleKeys\(missing_keys=\[([^\]]*)\], "
                               r"unexpected_keys=\[([^\]]*)\]\)")
+_NON_STRICT_RE = re.compile(r"^load_return: None$", re.M)
 _NOT_LOADED_MESSAGES = ("could not load the checkpoint", "will not load any checkpoints and will start from random")
 AUX_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
 _MTP_LABEL_RE = re.compile(r"mtp_(\d+) loss$")
@@ -319,6 +320,10 @@ def _load_problems(path: Path, text: str) -> tuple[list[str], list[str]]:
         else:
             notes.append("the Megatron load fell back to strict=False but listed only TransformerEngine "
                          "_extra_state keys: every weight was loaded")
+    for match in _NON_STRICT_RE.finditer(text):  # what core 0.16-0.19 really print (backends/megatron.py)
+        invalid.append(f"{path.name}:{line_of(text, match.start())[0]}: Megatron fell back to a non-strict checkpoint "
+                       "load (load_return: None names no key): which weights kept their random init only the "
+                       "step's load digest can tell")
     for message in _NOT_LOADED_MESSAGES:
         at = text.find(message)
         if at >= 0:

@@ -57,17 +57,13 @@ def logged_losses(log: Path) -> dict[int, dict[str, float]]:
 
 def write_local_checkpoint(init: Path, folder: Path, run: Run) -> Path:
     """The converted checkpoint under megatron-core's local-module names (what the CPU model holds)."""
-    from crossalign.backends.local.torch_model import unstack_expert_weights
+    from crossalign.checkpoint.digest import split_stacked_experts
     from crossalign.checkpoint.megatron import read_megatron_checkpoint, write_megatron_checkpoint
     from crossalign.checkpoint.te_local import te_to_local
 
     model = run.config.model
     checkpoint = read_megatron_checkpoint(init, model)
-    state = dict(checkpoint.state)
-    if model.num_experts is not None:
-        for key in list(state):
-            if key.endswith((".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")):
-                unstack_expert_weights(state, key[: -len("weight")], model.num_experts)
+    state = split_stacked_experts(checkpoint.state, model.num_experts)
     target = folder / LOCAL_CHECKPOINT
     shutil.rmtree(target, ignore_errors=True)
     write_megatron_checkpoint(target, checkpoint.iteration,

@@ -239,12 +239,17 @@ def write_load_digest(model, folder: str) -> str | None:
     """
     import json
 
-    from megatron.core import parallel_state as mpu
+    import torch
 
-    if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:
-        return None
-    tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
-    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    if torch.distributed.is_initialized():
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:
+            return None
+        tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
+        pp_size = mpu.get_pipeline_model_parallel_world_size()
+    else:  # no process group: one process holds the whole model
+        tp, pp, pp_size = 0, 0, 1
     name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
     tensors = {}
     for chunk in model:

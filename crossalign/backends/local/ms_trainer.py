@@ -138,6 +138,7 @@ class _Trainer:
         self.params = dict(self.net.parameters_and_names())
         self.names = [p.name for p in self.net.trainable_params()]
         self.values = {name: param.asnumpy().copy() for name, param in self.params.items()}
+        _verify_loaded(self.values, state)
         self.optimizer = AdamW(self.values, self.training)
         mtp_layers = self.model.mtp_num_layers
         self.mtp_weight = self.model.mtp_loss_scaling_factor / mtp_layers if mtp_layers else 0.0
@@ -216,6 +217,17 @@ class _Trainer:
         if not self.moe_layers or self.model.moe_aux_loss_coeff == 0:
             return None
         return aux_loss / (self.model.moe_aux_loss_coeff * self.moe_layers)
+
+
+def _verify_loaded(values: dict[str, np.ndarray], state: dict) -> None:
+    """Hold what the net holds after loading against the state it was given, tensor by tensor (load digest)."""
+    from crossalign.backends.local.ms_model import _as_float32_array
+    from crossalign.checkpoint.digest import compare_loaded, entry, numpy_sha256
+
+    loaded = {name: entry(value.shape, str(value.dtype), numpy_sha256(value)) for name, value in values.items()}
+    compare_loaded(loaded, state, what="the MindSpore Qwen3.5 model vs its checkpoint",
+                   hash_in=lambda value, digest: numpy_sha256(_as_float32_array(value).astype(digest["dtype"])),
+                   shape_of=lambda value: tuple(value.shape))
 
 
 def initial_state(request: TrainRequest) -> dict:
