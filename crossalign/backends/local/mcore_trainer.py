@@ -76,6 +76,7 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
     bf16 = training.embedded_precision == "bf16"
     net = build_gpt_model(config.model, training, bf16=bf16)
     load_converted_state(net, state, config.model, training.megatron_core_version)
+    verify_loaded(net, state, request)
     # --bf16: get_model wraps the model in Float16Module (every parameter bf16, the forward in bf16) and
     # get_megatron_optimizer keeps fp32 main copies of them (Float16OptimizerWithFloat16Params)
     module = Float16Module(net.config, net) if bf16 else net
@@ -99,6 +100,22 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
     net.config.no_sync_func = ddp.no_sync
     net.config.finalize_model_grads_func = finalize_model_grads
     return ddp, optimizer, scheduler
+
+
+def verify_loaded(net, state: Mapping[str, torch.Tensor], request: TrainRequest) -> None:
+    """Hold what the model holds after loading against the checkpoint, tensor by tensor (the load digest).
+
+    The model holds megatron-core's local names (mapped back to the checkpoint's TE names) in its
+    own dtype (under bf16 the checkpoint's tensors are compared rounded to bf16).
+    """
+    from crossalign.checkpoint.digest import compare_loaded, split_stacked_experts, torch_digests
+    from crossalign.checkpoint.te_local import local_to_te_names
+
+    config = request.config
+    names = local_to_te_names(config.model, config.training.megatron_core_version)
+    compare_loaded(torch_digests(net.state_dict()), split_stacked_experts(state, config.model.num_experts),
+                   what=f"megatron-core GPTModel vs the checkpoint {request.init_checkpoint}",
+                   rename=lambda name: names.get(name, name))
 
 
 def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, request: TrainRequest) -> IterationStats:
