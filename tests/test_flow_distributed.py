@@ -142,6 +142,11 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
         assert sorted(a.key for a in report) == ["alignment-steps", "compare-loss-plot", "compare-metrics",
                                                  "compare-report-link"], "each made once"
         assert {a.flow_run_id for a in report} == {parent.id}, "the parent shows them"
+        live = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
+            "live-alignment"]))) if a.flow_run_id == parent.id]
+        # the live comparison: one artifact, shown while megatron-train still ran, updated in place to step 5
+        assert len(live) == 1 and "steps 1-5 of 5 compared" in live[0].data, live
+        assert live[0].created < megatron.end_time and live[0].updated > live[0].created
         shown = {a.key: a for a in report}
         assert shown["compare-loss-plot"].type == "image"
         assert shown["compare-loss-plot"].data == f"{stack['report_url']}{run_id}/06-compare/loss.png"

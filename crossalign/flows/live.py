@@ -163,9 +163,9 @@ def watch_training(run: Run, futures: dict[str, Any], *, mode: str, fail_fast: b
                              requested_at=time.time())  # first: every moment lets the trainings go on
                 release(run)  # a held training sees the stop request first
                 logger.warning(f"fail-fast: {decision.reason}; stopping {' and '.join(STOPPABLE)}")
-                if current.compared and publisher.shown_at != current.compared:
-                    publisher.show(current)
                 stop_training(run, futures, mode=mode, logger=logger)
+                if current.compared:
+                    publisher.show(current)
                 return decision
             if current.compared or any(_done(futures[step]) for step in STOPPABLE):
                 release(run)  # step 1 of both is in (or one side will log no more): let both go on
@@ -185,6 +185,7 @@ def stop_training(run: Run, futures: dict[str, Any], *, mode: str, logger: Any) 
         time.sleep(0.2)
     going = [step for step in STOPPABLE if not _done(futures[step])]
     if not going:
+        update_stop(run, stopped_in_s=round(time.time() - (read_stop(run) or {})["requested_at"], 2))
         return
     reason = (read_stop(run) or {}).get("reason", "")
     if mode == "distributed":
@@ -299,8 +300,9 @@ def stopped_outcome(run: Run, decision: Decision, logger: Any):
                            if s["seconds"] is not None else "") for step, s in saved.items())
     savings = (f"{steps_saved} of {2 * total} training steps saved"
                + (f", about {sum(hours):.3g} card-hours" if hours else ""))
-    requested_at = (read_stop(run) or {}).get("requested_at", stopped_at)
-    update_stop(run, stopped=saved, steps_saved=steps_saved, stopped_in_s=round(stopped_at - requested_at, 2),
+    request = read_stop(run) or {}
+    stopped_in = request.get("stopped_in_s", round(stopped_at - request.get("requested_at", stopped_at), 2))
+    update_stop(run, stopped=saved, steps_saved=steps_saved, stopped_in_s=stopped_in,
                 card_hours_saved=round(sum(hours), 6) if hours else None)
     where, report = "", None
     if snapshot.summary is not None:
@@ -318,7 +320,7 @@ def stopped_outcome(run: Run, decision: Decision, logger: Any):
         except Exception as exc:  # a report that cannot be written must not hide the verdict
             logger.warning(f"fail-fast: report not written in {folder}: {type(exc).__name__}: {exc}")
     message = (f"run {run.run_id}: verdict fail, stopped early at step {decision.step} of {total}: {decision.reason}; "
-               f"stopped {trained} ({stopped_at - requested_at:.1f} s after the stop request); {savings}{where}")
+               f"stopped {trained} ({stopped_in:.1f} s after the stop request); {savings}{where}")
     logger.warning(message)
     return Failed(message=message, data={"run_id": run.run_id, "verdict": "fail", "report": report,
                                          "stopped_early": read_stop(run)})
