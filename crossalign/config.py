@@ -262,8 +262,9 @@ class _Layout(_Strict):
         parts = [f"TP {self.tensor}", f"PP {self.pipeline}"]
         if self.virtual_layers:
             parts[-1] += f" (VPP {self.virtual_layers} layers a stage)"
-        parts += [f"{name} {size}" for name, size in (("EP", self.expert), ("ETP", self.expert_tensor_size),
-                                                      ("CP", self.context)) if size != 1]
+        parts += [f"EP {self.expert}"] if self.expert != 1 else []
+        parts += [f"ETP {self.expert_tensor_size}"] if self.expert_tensor_size != self.tensor else []
+        parts += [f"CP {self.context}"] if self.context != 1 else []
         text = " x ".join(parts) + (" + SP" if self.sequence_parallel else "")
         return f"{text} (DP {self.data_parallel}) on {self.nodes} x {self.cards_per_node} cards"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import sys
@@ -264,6 +265,9 @@ def test_relative_paths_still_hold_in_the_step_folder(tmp_path: Path, checkout: 
 def test_several_cards_use_msrun(tmp_path: Path, checkout: Path):
     site = SiteConfig(mindformers=MindFormersSite(path=checkout, python="python3", nproc_per_node=4))
     request = request_for(tmp_path, "align", [])
+    layout = ["parallel.mindformers.tensor=2", "parallel.mindformers.pipeline=2",
+              "parallel.mindformers.cards_per_node=4"]
+    request = dataclasses.replace(request, config=load_config("qwen35_dense_tiny", layout))
     script = MindFormersBackend(site=site).run_script(request, tmp_path / "x.yaml").render()
     for needle in ("-m mindspore.parallel.cluster.run", "--worker_num=4", "--local_worker_num=4", "--join=True",
                    "--tail_worker_log=3", f"--log_dir={request.output_dir / 'msrun_log'}"):

@@ -135,22 +135,29 @@ def mindformers_yaml(
     tokenizer: Path | str | None = None,
     load_dir: Path | str | None = None,
     save_dir: Path | str | None = None,
-    nproc: int = 1,
+    nproc: int | None = None,
     model_overrides: dict | None = None,
 ) -> dict:
     """The pynative TrainConfig for a base run (``mode="base"``) or the alignment run (``"align"``).
 
     ``tokenizer`` is not written (the indexed dataset is already tokenised; the loader pads with
-    -1, which no token uses); it is accepted for symmetry with :func:`megatron_args`.
+    -1, which no token uses); it is accepted for symmetry with :func:`megatron_args`. The
+    ``parallelism`` section is the config's ``parallel.mindformers`` (``nproc`` cards in place of
+    its cards when given); the cards it leaves run data parallel (``data_parallel_shard: -1``).
     """
-    m, t = config.model, config.training
+    m, t, layout = config.model, config.training, config.parallel.mindformers
+    cards = nproc or layout.world_size
     if mode not in ("base", "align"):
         raise ValueError(f"mode must be 'base' or 'align', not {mode!r}")
     if mode == "align" and load_dir is None:
         raise BackendSetupError("the align run needs load_dir (the bf16 MindFormers checkpoint)")
-    if t.global_batch_size % (t.micro_batch_size * nproc):
+    if cards % layout.model_parallel:
+        raise BackendSetupError(f"parallel.mindformers: TP {layout.tensor} x PP {layout.pipeline} x CP "
+                                f"{layout.context} does not fit {cards} cards")
+    data_parallel = cards // layout.model_parallel
+    if t.global_batch_size % (t.micro_batch_size * data_parallel):
         raise BackendSetupError(f"training.global_batch_size {t.global_batch_size} is not a multiple of "
-                                f"micro_batch_size {t.micro_batch_size} x {nproc} cards")
+                                f"micro_batch_size {t.micro_batch_size} x {data_parallel} cards")
     steps = t.base_train_iters if mode == "base" else t.train_iters
     model = _model_section(config)
     model.update(model_overrides or {})
@@ -194,11 +201,11 @@ def mindformers_yaml(
         },
         "parallelism": {
             "data_parallel_shard": -1,
-            "tensor_parallel": 1,
-            "pipeline_parallel": 1,
-            "expert_parallel": 1,
-            "context_parallel": 1,
-            "sequence_parallel": False,
+            "tensor_parallel": layout.tensor,
+            "pipeline_parallel": layout.pipeline,
+            "expert_parallel": layout.expert,
+            "context_parallel": layout.context,
+            "sequence_parallel": layout.sequence_parallel,
         },
         # With MTP, MindFormers wants the string "None" here; lower-case "none" is another value.
         "recompute": {"mode": "None"},
@@ -465,7 +472,11 @@ class MindFormersBackend(FrameworkBackend):
     def run_script(self, request: TrainRequest, config_path: Path) -> RunScript:
         checkout = self.checkout()
         site = self.site.mindformers
-        nproc = site.nproc_per_node
+        layout = request.config.parallel.mindformers
+        if site.nproc_per_node < layout.cards_per_node:
+            raise BackendSetupError(f"parallel.mindformers.cards_per_node is {layout.cards_per_node}, but the site's "
+                                    f"mindformers.nproc_per_node is {site.nproc_per_node}")
+        nproc, local = layout.world_size, layout.cards_per_node
         log_root = request.output_dir.absolute() / "mf_log"
         env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "LOG_MF_PATH": str(log_root), **site.env}
         entry = [str(checkout / "run_mindformer.py"), "--mode", "1", "--config", str(config_path.absolute())]
@@ -473,7 +484,7 @@ class MindFormersBackend(FrameworkBackend):
             command = [site.python, *entry]
         else:
             command = [site.python, "-m", "mindspore.parallel.cluster.run", f"--worker_num={nproc}",
-                       f"--local_worker_num={nproc}", f"--master_port={MSRUN_PORT}",
+                       f"--local_worker_num={local}", f"--master_port={MSRUN_PORT}",
                        f"--log_dir={request.output_dir.absolute() / 'msrun_log'}", "--join=True",
                        f"--tail_worker_log={nproc - 1}", *entry]
         return RunScript(command=command, cwd=request.output_dir.absolute(), env=env, required_files=(entry[0],),
@@ -493,7 +504,6 @@ class MindFormersBackend(FrameworkBackend):
             tokenizer=request.data.tokenizer,
             load_dir=request.init_checkpoint.absolute() if loaded else None,  # type: ignore[union-attr]
             save_dir=request.checkpoint_dir.absolute() if save else None,
-            nproc=self.site.mindformers.nproc_per_node,
             model_overrides=request.extra.get("mindformers_model"))  # type: ignore[arg-type]
         request.output_dir.mkdir(parents=True, exist_ok=True)
         config_path = dump_yaml(data, request.output_dir / f"{request.mode}_train.yaml")

@@ -51,13 +51,15 @@ class Workaround:
     replacement: Callable[[], object]
     upstream: str | None = None
     defined: bool = True  # False: upstream leaves the name undefined here (the reason for the workaround)
+    owner: str | None = None  # a class of the module whose attribute is replaced (None: the module's own)
 
     @property
     def name(self) -> str:
-        return f"{self.module}.{self.attribute}"
+        return ".".join(filter(None, (self.module, self.owner, self.attribute)))
 
     def target(self):
-        return importlib.import_module(self.module)
+        module = importlib.import_module(self.module)
+        return getattr(module, self.owner) if self.owner else module
 
 
 def _torch_l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -128,6 +130,45 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
                 grad.mul_(clip_coeff)
 
 
+def _dtoh_without_streams(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+    """The alltoall dispatcher's device-to-host step on CPU: no side stream, no event, the same conversions.
+
+    On a GPU the split sizes are copied to the host as numpy arrays at ``cuda_dtoh_point`` (on a
+    side stream, then an event synchronises); on CPU they already are host tensors, so only the
+    conversion to numpy is left, at the same point.
+    """
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _torch_norm_marked_for_sequence_parallel(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+    """megatron-core's WrappedTorchNorm (torch's RMSNorm or LayerNorm) that a sequence-parallel run may build.
+
+    Upstream asserts ``not config.sequence_parallel``: under sequence parallelism a norm's weight
+    must carry ``sequence_parallel`` so that ``finalize_model_grads`` sums its grads over the
+    tensor ranks (each saw part of the sequence). TE's norms mark their weights with
+    ``config.sequence_parallel`` (megatron/core/extensions/transformer_engine.py, TENorm); this marks
+    torch's the same way, so the CPU run reduces exactly the grads a GPU run reduces.
+    """
+    for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+        if getattr(config, flag):
+            raise MegatronCpuError(f"{flag} is not supported by torch's norms (megatron-core's WrappedTorchNorm)")
+    norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+    if config.normalization not in norms:
+        raise MegatronCpuError(f"normalization {config.normalization!r}: the CPU norm builds LayerNorm or RMSNorm")
+    norm = norms[config.normalization](normalized_shape=hidden_size, eps=eps)
+    for parameter in norm.parameters():
+        setattr(parameter, "sequence_parallel", config.sequence_parallel)
+    return norm
+
+
+_ALLTOALL = ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher")
+NO_CUDA_STREAM = "no CUDA stream on CPU"
+
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround("torch.cuda", "current_device",
                "passed as device= in many constructors (GatedDeltaNet's conv1d, A_log, dt_bias, linear "
@@ -150,6 +191,17 @@ WORKAROUNDS: tuple[Workaround, ...] = (
                "torch.cuda.get_rng_state()"),
     Workaround("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
                "marks the CPU tracker as the one in use", lambda: True),
+    Workaround(_ALLTOALL[0], "cuda_dtoh_stream",
+               "the alltoall dispatcher creates one torch.cuda.Stream for its device-to-host copies unless the "
+               "class already holds one", lambda: NO_CUDA_STREAM, "torch.cuda.Stream()", owner=_ALLTOALL[1]),
+    Workaround(_ALLTOALL[0], "_maybe_dtoh_and_synchronize",
+               "copies the token counts to the host on that stream and synchronises on a CUDA event",
+               lambda: _dtoh_without_streams, "self.cuda_dtoh_stream.record_event()", owner=_ALLTOALL[1]),
+    Workaround("megatron.core.transformer.torch_norm", "__new__",
+               "the local specs' norm (torch's RMSNorm) refuses sequence parallelism; TE's norm marks its weight "
+               "sequence_parallel instead, so that finalize_model_grads sums its grads over the tensor ranks",
+               lambda: _torch_norm_marked_for_sequence_parallel, "sequence parallel not supported by torch LayerNorm",
+               owner="WrappedTorchNorm"),
 )
 
 
@@ -158,13 +210,17 @@ class CudaLiteralsToCpu(TorchFunctionMode):
 
     megatron-core's optimizer and training helpers create small tensors on ``'cuda'`` by name
     (FP32Optimizer's loss scale, the grad-norm and zero-count reductions, the schedule's token
-    total). It costs some Python per torch call (a tiny MoE step: 235 ms inside it, 170 ms not), so the trainer
-    enters it around the schedule and the optimizer step and turns it off inside the model's
-    forward, which needs none of it.
+    total), and the pipeline's first and last stages move the embedding they share with ``.cuda()``
+    before they all-reduce it (``LanguageModule.setup_embeddings_and_output_layer``). It costs some
+    Python per torch call (a tiny MoE step: 235 ms inside it, 170 ms not), so the trainer enters it
+    around building the model, the schedule and the optimizer step and turns it off inside the
+    model's forward, which needs none of it.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:  # LanguageModule moves the pipeline's shared embedding with .cuda()
+            return args[0]
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
             kwargs = dict(kwargs, device="cpu")
@@ -215,7 +271,8 @@ def self_test(workarounds: tuple[Workaround, ...] = WORKAROUNDS,
         if workaround.upstream is not None:
             source = inspect.getsource(module)
             if workaround.upstream not in source:
-                problems.append(f"{workaround.name}: {workaround.upstream!r} is no longer in {module.__name__} "
+                problems.append(f"{workaround.name}: {workaround.upstream!r} is no longer in "
+                                f"{'.'.join(filter(None, (workaround.module, workaround.owner)))} "
                                 f"(the workaround was for: {workaround.reason})")
     module, upstream = CpuTensorTypesAsCuda.UPSTREAM
     if upstream not in inspect.getsource(importlib.import_module(module)):
@@ -248,21 +305,51 @@ def _clear_loss_trackers() -> None:
     MTPLossLoggingHelper.tracker.clear()
 
 
+@dataclass(frozen=True)
+class ProcessGroup:
+    """This process's place in a CPU run of several processes: its rank, where the ranks meet, the layout.
+
+    ``init_method`` is a ``file://`` rendezvous that torch.distributed's gloo backend reads.
+    """
+
+    rank: int
+    world_size: int
+    init_method: str
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    expert_tensor: int = 1
+
+
+def _seed_rng_states(seed: int) -> None:
+    """Megatron's _set_random_seed (seed + 100 x pipeline rank) and model_parallel_cuda_manual_seed's three states
+    (core_v0.16.1 megatron/training/initialize.py, megatron/core/tensor_parallel/random.py:412-428)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    seed += 100 * ps.get_pipeline_model_parallel_rank()
+    tracker = mcore_random.get_cuda_rng_tracker()
+    torch.manual_seed(seed)
+    tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + ps.get_tensor_model_parallel_rank())
+    tracker.add(mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ps.get_expert_model_parallel_rank()
+                + ps.get_expert_tensor_parallel_rank())
+
+
 @contextlib.contextmanager
-def megatron_core_on_cpu(seed: int) -> Iterator[None]:
+def megatron_core_on_cpu(seed: int, group: ProcessGroup | None = None) -> Iterator[None]:
     """megatron-core ready to build and train a model in this process, on CPU; everything undone on exit.
 
     Runs the self-test, empties megatron-core's loss trackers (module globals that would carry one
     run's losses into the next run in the same process), applies the workarounds, turns off
     ``torch.compile`` (megatron-core's ``jit_fuser``: about 14 s to compile on a cold start and
-    nothing gained on CPU), starts a one-process gloo group, initialises megatron-core's parallel
-    state (every size 1) and seeds its RNG states as ``model_parallel_cuda_manual_seed`` would
-    (seed, seed + 2718, seed + 1024).
+    nothing gained on CPU), starts the gloo group (one process, or this rank of ``group``),
+    initialises megatron-core's parallel state in the group's layout and seeds its RNG states as
+    Megatron would.
     """
     import torch._dynamo
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mcore_random
 
     self_test()
     _clear_loss_trackers()
@@ -272,14 +359,17 @@ def megatron_core_on_cpu(seed: int) -> Iterator[None]:
     torch._dynamo.config.disable = True
     try:
         with _patched():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            if group is None:
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            else:
+                dist.init_process_group("gloo", init_method=group.init_method, rank=group.rank,
+                                        world_size=group.world_size)
             try:
-                parallel_state.initialize_model_parallel()
-                tracker = mcore_random.get_cuda_rng_tracker()
-                torch.manual_seed(seed)
-                tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-                tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
-                tracker.add(mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+                group = group or ProcessGroup(rank=0, world_size=1, init_method="")
+                parallel_state.initialize_model_parallel(
+                    tensor_model_parallel_size=group.tensor, pipeline_model_parallel_size=group.pipeline,
+                    expert_model_parallel_size=group.expert, expert_tensor_parallel_size=group.expert_tensor)
+                _seed_rng_states(seed)
                 yield
             finally:
                 _clear_loss_trackers()

@@ -15,17 +15,20 @@ Everything here runs inside :func:`crossalign.backends.local.mcore_cpu.megatron_
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from crossalign.checkpoint.layout import mtp_layer_prefix
 from crossalign.checkpoint.mismatch import key_mismatches
-from crossalign.checkpoint.te_local import te_to_local
-from crossalign.config import ModelConfig, TrainingConfig
+from crossalign.checkpoint.te_local import layer_renames
+from crossalign.config import MegatronParallel, ModelConfig, TrainingConfig
 from crossalign.patching import PATCH_DIR
 
 LAUNCHER = PATCH_DIR / "megatron" / "pretrain_qwen35.py"  # holds the layer-spec builder
@@ -47,10 +50,13 @@ def layer_specs_module():
     return sys.modules[name]
 
 
-def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bool = False):
-    """The TransformerConfig of the generated Megatron arguments (fp32 unless ``bf16``), for the CPU."""
+def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bool = False,
+                       layout: MegatronParallel | None = None):
+    """The TransformerConfig of the generated Megatron arguments (fp32 unless ``bf16``) in ``layout``
+    (None: one process), for the CPU."""
     from megatron.core.transformer import TransformerConfig
 
+    layout = layout or MegatronParallel()
     moe: dict[str, Any] = {}
     if model.is_moe:
         moe = dict(
@@ -67,7 +73,7 @@ def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bo
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
             moe_router_pre_softmax=not model.norm_topk_prob,  # --moe-router-pre-softmax unless top-k softmax
             moe_grouped_gemm=False,  # the local experts are a SequentialMLP (TE: --moe-grouped-gemm)
-            moe_token_dispatcher_type="allgather",  # CPU: alltoall creates a CUDA stream (mcore_cpu)
+            moe_token_dispatcher_type="alltoall",  # --moe-token-dispatcher-type alltoall (streams: mcore_cpu)
         )
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -100,16 +106,26 @@ def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bo
         gradient_accumulation_fusion=False,  # --no-gradient-accumulation-fusion
         persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        tensor_model_parallel_size=layout.tensor,  # --tensor-model-parallel-size
+        pipeline_model_parallel_size=layout.pipeline,  # --pipeline-model-parallel-size
+        expert_model_parallel_size=layout.expert,  # --expert-model-parallel-size
+        expert_tensor_parallel_size=layout.expert_tensor_size,  # --expert-tensor-parallel-size
+        sequence_parallel=layout.sequence_parallel,  # --sequence-parallel
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        batch_p2p_sync=False,  # CPU: the sync after batched p2p is torch.cuda.synchronize(); gloo waits itself
         **moe,
     )
 
 
-def build_gpt_model(model: ModelConfig, training: TrainingConfig, *, bf16: bool = False):
-    """megatron-core's GPTModel with the shared Qwen3.5 layer specs (local modules), as gpt_builder builds it."""
+def build_gpt_model(model: ModelConfig, training: TrainingConfig, *, bf16: bool = False,
+                    layout: MegatronParallel | None = None):
+    """megatron-core's GPTModel with the shared Qwen3.5 layer specs (local modules), as gpt_builder builds it:
+    this process's pipeline stage and tensor/expert shard of it, in megatron-core's initialised parallel state."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     specs = layer_specs_module()
-    config = transformer_config(model, training, bf16=bf16)
+    config = transformer_config(model, training, bf16=bf16, layout=layout)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return GPTModel(
@@ -117,7 +133,8 @@ def build_gpt_model(model: ModelConfig, training: TrainingConfig, *, bf16: bool 
             transformer_layer_spec=specs.decoder_block_spec(config, use_te=False),
             vocab_size=model.padded_vocab_size,
             max_sequence_length=model.max_position_embeddings,
-            pre_process=True, post_process=True, parallel_output=True,
+            pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+            parallel_output=True,
             share_embeddings_and_output_weights=False,  # --untie-embeddings-and-output-weights
             position_embedding_type="rope",
             rotary_percent=model.rotary_percent,
@@ -126,8 +143,82 @@ def build_gpt_model(model: ModelConfig, training: TrainingConfig, *, bf16: bool 
         )
 
 
-def load_converted_state(net, state: Mapping[str, torch.Tensor], model: ModelConfig, core_version: str) -> None:
-    """Load a converted (TE-layout) Megatron state dict strictly, in the model's dtype.
+@dataclass(frozen=True)
+class Shard:
+    """Which part of the model this process holds: its (tensor, pipeline, expert) ranks in a layout."""
+
+    tensor_rank: int = 0
+    pipeline_rank: int = 0
+    expert_rank: int = 0
+    layout: MegatronParallel = MegatronParallel()
+
+    @classmethod
+    def of_this_process(cls, layout: MegatronParallel) -> "Shard":
+        """This process's shard, read off megatron-core's initialised parallel state."""
+        from megatron.core import parallel_state as ps
+
+        return cls(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                   ps.get_expert_model_parallel_rank(), layout)
+
+    @property
+    def rank(self) -> tuple[int, int, int]:
+        return self.tensor_rank, self.pipeline_rank, self.expert_rank
+
+    def first_layer(self, model: ModelConfig) -> int:
+        """The global number of this stage's first decoder layer (stages take equal shares, as reshard cuts them)."""
+        return self.pipeline_rank * model.num_layers // self.layout.pipeline
+
+    def name(self) -> str:
+        return f"(tensor, pipeline, expert) rank {self.rank}"
+
+
+def shard_state(state: Mapping[str, torch.Tensor], model: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
+    """This shard's tensors of a full (TE-layout) state dict, under their names on its rank, by the checkpoint
+    layout rules (``checkpoint/reshard.py``: per-rank segments, stage-local layer and EP-local expert numbers)."""
+    from crossalign.checkpoint.reshard import shard_tensor
+
+    layout = shard.layout
+    if (layout.tensor, layout.pipeline, layout.expert) == (1, 1, 1):
+        return dict(state)
+    mine = {}
+    for key, tensor in state.items():
+        for rank, local_key, part in shard_tensor(key, tensor, model, layout.tensor, layout.pipeline,
+                                                   layout.expert, layout.expert_tensor_size):
+            if rank == shard.rank:
+                mine[local_key] = part
+    return mine
+
+
+_STAGE_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+
+
+def stage_names(keys, model: ModelConfig, core_version: str, first_layer: int, *, to_local: bool) -> dict[str, str]:
+    """TE <-> local names of one pipeline stage's keys (its layers numbered from 0; a layer's kind is that of
+    global layer ``first_layer`` + i), by ``checkpoint/te_local.layer_renames``."""
+    inner = f"mtp.layers.{{}}.{mtp_layer_prefix(core_version)}."
+    names = {}
+    for key in keys:
+        match = _STAGE_LAYER.fullmatch(key)
+        if match:
+            prefix, rest, kind = f"decoder.layers.{match.group(1)}.", match.group(2), model.layer_kind(
+                first_layer + int(match.group(1)))
+        else:
+            mtp = re.fullmatch(r"mtp\.layers\.(\d+)\." + re.escape(mtp_layer_prefix(core_version)) + r"\.(.*)", key)
+            if not mtp:
+                continue
+            prefix, rest, kind = inner.format(mtp.group(1)), mtp.group(2), "attention"
+        renames = dict(layer_renames(model, kind))
+        if not to_local:
+            renames = {local: te for te, local in renames.items()}
+        if rest in renames:
+            names[key] = prefix + renames[rest]
+    return names
+
+
+def load_converted_state(net, state: Mapping[str, torch.Tensor], model: ModelConfig, core_version: str,
+                         shard: Shard | None = None) -> None:
+    """Load a converted (TE-layout) Megatron state dict strictly, in the model's dtype: the whole of it, or the
+    part of ``shard``'s rank (cut from the full state by the checkpoint layout rules).
 
     Stacked routed experts ([E, out, in] under ``linear_fc{1,2}.weight``) are split per expert
     first, as TE's load hook does. Raises :class:`McoreLoadError` naming every missing,
@@ -135,17 +226,22 @@ def load_converted_state(net, state: Mapping[str, torch.Tensor], model: ModelCon
     """
     from crossalign.backends.local.torch_model import unstack_expert_weights
 
-    incoming = dict(state)
+    shard = shard or Shard()
+    incoming = shard_state(state, model, shard)
     if model.num_experts is not None:
+        local_experts = model.num_experts // shard.layout.expert
         for key in list(incoming):
             if key.endswith((".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")):
-                unstack_expert_weights(incoming, key[: -len("weight")], model.num_experts)
-    local = te_to_local(incoming, model, core_version)
+                unstack_expert_weights(incoming, key[: -len("weight")], local_experts)
+    incoming = {key: value for key, value in incoming.items() if not key.endswith("._extra_state")}
+    renames = stage_names(incoming, model, core_version, shard.first_layer(model), to_local=True)
+    local = {renames.get(key, key): value for key, value in incoming.items()}
     expected = {key: value for key, value in net.state_dict().items() if not key.endswith("._extra_state")}
     problems = key_mismatches({k: tuple(v.shape) for k, v in local.items()},
                               {k: tuple(v.shape) for k, v in expected.items()})
     if problems:
-        raise McoreLoadError(f"megatron-core GPTModel does not load the checkpoint: {problems}")
+        where = f" on {shard.name()} of {shard.layout.ranks}" if shard.layout.world_size > 1 else ""
+        raise McoreLoadError(f"megatron-core GPTModel{where} does not load the checkpoint: {problems}")
     dtypes = {key: value.dtype for key, value in expected.items()}
     net.load_state_dict({key: value.to(dtypes[key]) for key, value in local.items()}, strict=True)
 

@@ -21,6 +21,7 @@ the step's training process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from functools import partial
 from pathlib import Path
@@ -66,7 +67,7 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
     from megatron.core.transformer.module import Float16Module
 
     from crossalign.backends.local.mcore_cpu import CpuTensorTypesAsCuda, CudaLiteralsToCpu
-    from crossalign.backends.local.mcore_model import build_gpt_model, load_converted_state
+    from crossalign.backends.local.mcore_model import Shard, build_gpt_model, load_converted_state
 
     config, training = request.config, request.config.training
     if training.lr_warmup_iters >= request.iterations:
@@ -74,9 +75,12 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
                          f"{request.iterations}: Megatron's OptimizerParamScheduler asserts lr_warmup_steps < "
                          "lr_decay_steps, and --lr-decay-iters defaults to --train-iters")
     bf16 = training.embedded_precision == "bf16"
-    net = build_gpt_model(config.model, training, bf16=bf16)
-    load_converted_state(net, state, config.model, training.megatron_core_version)
-    verify_loaded(net, state, request)
+    layout = config.parallel.megatron
+    with CudaLiteralsToCpu():
+        net = build_gpt_model(config.model, training, bf16=bf16, layout=layout)
+    load_converted_state(net, state, config.model, training.megatron_core_version, Shard.of_this_process(layout))
+    if layout.world_size == 1:  # a process of a sharded run holds its shard only
+        verify_loaded(net, state, request)
     # --bf16: get_model wraps the model in Float16Module (every parameter bf16, the forward in bf16) and
     # get_megatron_optimizer keeps fp32 main copies of them (Float16OptimizerWithFloat16Params)
     module = Float16Module(net.config, net) if bf16 else net
@@ -126,13 +130,17 @@ def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, r
 
     from crossalign.backends.local.mcore_cpu import CudaLiteralsToCpu
 
+    from megatron.core import parallel_state
+
     model, training = request.config.model, request.config.training
     tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.int64)
     expected = (training.global_batch_size, training.seq_length + 1)
     if tuple(tokens.shape) != expected:
         raise ValueError(f"global batch {iteration}: tokens of shape {tuple(tokens.shape)}, expected {expected}")
-    num_micro = training.global_batch_size // training.micro_batch_size
-    micro_batches = iter(tokens.split(training.micro_batch_size))
+    data_parallel = parallel_state.get_data_parallel_world_size()
+    num_micro = training.global_batch_size // (training.micro_batch_size * data_parallel)
+    micro_batches = iter(data_parallel_share(tokens, training.micro_batch_size, data_parallel,
+                                             parallel_state.get_data_parallel_rank()))
 
     # the schedule counts tokens, and the optimizer reduces the grad norm, in tensors made on 'cuda'
     with CudaLiteralsToCpu():
@@ -146,10 +154,14 @@ def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, r
         raise TrainingError(f"iteration {iteration}: the optimizer step failed (grad norm {grad_norm})")
     scheduler.step(increment=training.global_batch_size)
 
-    pair = torch.stack([report["lm loss"] for report in reports]).sum(dim=0)
-    lm_loss = float(pair[0] / pair[1])
-    if not np.isfinite(lm_loss):
-        raise TrainingError(f"iteration {iteration}: non-finite lm loss {lm_loss}")
+    lm_loss = float("nan")  # known on the last pipeline stage only, which prints it (Megatron's print_rank_last)
+    if parallel_state.is_pipeline_last_stage():
+        pair = torch.stack([report["lm loss"] for report in reports]).sum(dim=0)
+        # train_step sums the reporting pair over the data-parallel ranks (core_v0.16.1 megatron/training/training.py)
+        torch.distributed.all_reduce(pair, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        lm_loss = float(pair[0] / pair[1])
+        if not np.isfinite(lm_loss):
+            raise TrainingError(f"iteration {iteration}: non-finite lm loss {lm_loss}")
     losses: dict[str, torch.Tensor] = {}
     if model.is_moe and model.moe_aux_loss_coeff > 0:
         track_moe_metrics(loss_scale=1 / num_micro, iteration=iteration, total_loss_dict=losses,
@@ -163,53 +175,165 @@ def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, r
     return IterationStats(losses=logged, learning_rate=optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm))
 
 
-def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], checkpoint_iteration: int,
-                 batches: Sequence[np.ndarray]) -> TrainResult:
-    """Train ``request.iterations`` steps from the Megatron ``state`` on ``batches`` (item i: the int64
-    tokens [global_batch_size, seq_length + 1] of global batch i) and write the Megatron log."""
+START_METHOD = "fork"
+
+
+def data_parallel_share(tokens: torch.Tensor, micro_batch_size: int, data_parallel: int,
+                        rank: int) -> list[torch.Tensor]:
+    """This data-parallel rank's micro batches of a global batch, as MegatronPretrainingSampler deals them: of
+    each run of micro_batch_size x data_parallel samples, rank r takes the r-th micro batch
+    (core_v0.16.1 megatron/legacy/data/data_samplers.py, MegatronPretrainingSampler.__iter__)."""
+    step = micro_batch_size * data_parallel
+    return [tokens[start + rank * micro_batch_size: start + (rank + 1) * micro_batch_size]
+            for start in range(0, tokens.shape[0], step)]
+
+
+def _place(layout) -> str:
+    """Megatron's ``[ t T/TP, p P/PP ]`` of the last rank (the one that prints)."""
+    from megatron.core import parallel_state as ps
+
+    return (f"[ t {ps.get_tensor_model_parallel_rank() + 1}/{layout.tensor}, "
+            f"p {ps.get_pipeline_model_parallel_rank() + 1}/{layout.pipeline} ]")
+
+
+def _train_rank(request: TrainRequest, state: Mapping[str, torch.Tensor], checkpoint_iteration: int,
+                batches: Sequence[np.ndarray], group=None, progress=None) -> None:
+    """One rank's part of a run (the only one without ``group``). The last rank writes the log and reports
+    the steps, as Megatron prints from it; ``progress`` (a queue) carries them to the step's process."""
+    from megatron.core import parallel_state
+
     from crossalign.backends.local.mcore_cpu import megatron_core_on_cpu
 
-    training, total = request.config.training, request.iterations
-    if len(batches) < total:
-        raise ValueError(f"{request.data.prefix}: {len(batches)} global batches for {total} iterations")
-    request.output_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with (deterministic_training_threads(), megatron_log(request.log_path, training.seed) as emit,
-          megatron_core_on_cpu(training.seed)):
+    training, total, layout = request.config.training, request.iterations, request.config.parallel.megatron
+    prints = group is None or group.rank == group.world_size - 1
+    log = megatron_log(request.log_path, training.seed, layout) if prints else contextlib.nullcontext(lambda _: None)
+    with deterministic_training_threads(), log as emit, megatron_core_on_cpu(training.seed, group):
         emit(f"building GPT model ... ({IMPLEMENTATION}, local modules on CPU)")
         emit(f" loading checkpoint from {request.init_checkpoint} at iteration {checkpoint_iteration}")
         ddp, optimizer, scheduler = _build(request, state)
-        emit(" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): "
-             f"{sum(p.numel() for p in ddp.module.parameters())}")
-        emit(f"  successfully loaded checkpoint from {request.init_checkpoint} [ t 1/1, p 1/1 ] at iteration 0")
+        emit(" > number of parameters on (tensor, pipeline) model parallel rank "
+             f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}"
+             f"): {sum(p.numel() for p in ddp.module.parameters())}")
+        emit(f"  successfully loaded checkpoint from {request.init_checkpoint} {_place(layout)} at iteration 0")
         emit_setup_done(emit, total * training.global_batch_size)
         lines = MegatronLogLines(total, training.global_batch_size, training.megatron_core_version)
         ddp.train()
         for iteration in range(1, total + 1):
             stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request)
+            if not prints:
+                continue
             emit(lines.line(iteration, stats))
-            if request.on_step is not None:
-                request.on_step(iteration, total, _step_metrics(stats, megatron_lr(training, iteration)))
+            metrics = _step_metrics(stats, megatron_lr(training, iteration))
+            if progress is not None:
+                progress.put((iteration, total, metrics))
+            elif request.on_step is not None:
+                request.on_step(iteration, total, metrics)
         emit(_datetime_line("after training is done"))
         if request.save:
             save_checkpoint(ddp.module, request, total)
             emit(f"  successfully saved checkpoint from iteration {total:7d} to {request.checkpoint_dir} "
-                 "[ t 1/1, p 1/1 ]")
+                 f"{_place(layout)}")
+
+
+def _rank_main(rank: int, request: TrainRequest, state, checkpoint_iteration: int, batches, init_method: str,
+               progress) -> None:
+    """A spawned rank: its place in the group, then its part of the run."""
+    from crossalign.backends.local.mcore_cpu import ProcessGroup
+
+    layout = request.config.parallel.megatron
+    group = ProcessGroup(rank=rank, world_size=layout.world_size, init_method=init_method, tensor=layout.tensor,
+                         pipeline=layout.pipeline, expert=layout.expert, expert_tensor=layout.expert_tensor_size)
+    _train_rank(request, state, checkpoint_iteration, batches, group, progress)
+
+
+def _train_ranks(request: TrainRequest, state: Mapping[str, torch.Tensor], checkpoint_iteration: int,
+                 batches: Sequence[np.ndarray]) -> None:
+    """Every rank of the layout in its own process (spawned; gloo over a file rendezvous), as torchrun would
+    start them; the steps the last rank reports reach ``request.on_step`` here, and a rank's failure names it."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    layout = request.config.parallel.megatron
+    context = mp.get_context(START_METHOD)
+    progress = context.SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="crossalign-gloo-") as rendezvous:
+        ranks = mp.start_processes(
+            _rank_main, args=(dataclasses.replace(request, on_step=None), dict(state), checkpoint_iteration,
+                              list(batches), f"file://{rendezvous}/store", progress),
+            nprocs=layout.world_size, join=False, start_method=START_METHOD)
+        try:
+            while not ranks.join(timeout=0.2):
+                while not progress.empty():
+                    if request.on_step is not None:
+                        request.on_step(*progress.get())
+                    else:
+                        progress.get()
+        except mp.ProcessRaisedException as exc:
+            raise TrainingError(f"megatron-core rank {exc.error_index} of {layout.ranks} failed:\n{exc}") from None
+        except mp.ProcessExitedException as exc:
+            raise TrainingError(f"megatron-core rank {exc.error_index} of {layout.ranks} exited with "
+                                f"status {exc.exit_code}") from None
+        while not progress.empty():
+            step = progress.get()
+            if request.on_step is not None:
+                request.on_step(*step)
+
+
+def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], checkpoint_iteration: int,
+                 batches: Sequence[np.ndarray]) -> TrainResult:
+    """Train ``request.iterations`` steps from the Megatron ``state`` (the full model) on ``batches`` (item i:
+    the int64 tokens [global_batch_size, seq_length + 1] of global batch i) and write the Megatron log.
+
+    In the config's Megatron layout: one process, or one per rank (``parallel.megatron``), each
+    training its shard of the model as Megatron's ranks do.
+    """
+    total = request.iterations
+    if len(batches) < total:
+        raise ValueError(f"{request.data.prefix}: {len(batches)} global batches for {total} iterations")
+    request.output_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if request.config.parallel.megatron.world_size == 1:
+        _train_rank(request, state, checkpoint_iteration, batches)
+    else:
+        _train_ranks(request, state, checkpoint_iteration, batches[:total])
     return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
                        iterations=total, seconds=time.perf_counter() - started)
 
 
 def save_checkpoint(net, request: TrainRequest, iteration: int) -> Path:
-    """The trained weights in Megatron's legacy torch format under the TE names (what a GPU run would write and
-    load: ``iter_{N:07d}/mp_rank_00/model_optim_rng.pt`` and the tracker), without optimizer or RNG state."""
-    from crossalign.checkpoint.megatron import write_megatron_checkpoint
-    from crossalign.checkpoint.te_local import local_to_te
+    """The trained weights in Megatron's legacy torch format under the TE names, in the run's layout (what a
+    GPU run would write and load: ``iter_{N:07d}/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` and the tracker),
+    without optimizer or RNG state. Every rank's shard is gathered on the last rank, which writes them all."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from crossalign.backends.local.mcore_model import Shard, stage_names
+    from crossalign.checkpoint.atomic import save_iteration
+    from crossalign.checkpoint.megatron import CHECKPOINT_VERSION, MODEL_FILE, TRACKER, iteration_dir_name, rank_dir_name
 
     config = request.config
+    layout = config.parallel.megatron
+    shard = Shard.of_this_process(layout)
     local = {key: value.detach().clone() for key, value in net.state_dict().items()
              if not key.endswith("._extra_state")}
-    return write_megatron_checkpoint(request.checkpoint_dir, iteration,
-                                     local_to_te(local, config.model, config.training.megatron_core_version))
+    names = stage_names(local, config.model, config.training.megatron_core_version, shard.first_layer(config.model),
+                        to_local=False)
+    te = {names.get(key, key): value for key, value in local.items()}
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == dist.get_world_size() - 1 else None
+    # the ranks that save, as Megatron's legacy save_checkpoint picks them: expert-data-parallel rank 0
+    dist.gather_object((shard.rank, ps.get_expert_data_parallel_rank(), te), gathered, dst=dist.get_world_size() - 1)
+    if gathered is None:
+        return request.checkpoint_dir
+    files = {rank: state for rank, data_rank, state in gathered if data_rank == 0}
+
+    def fill(folder: Path) -> None:
+        for (t, p, e), state in sorted(files.items()):
+            file = folder / rank_dir_name(t, p, layout.pipeline, e, layout.expert) / MODEL_FILE
+            file.parent.mkdir(parents=True)
+            torch.save({"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": state}, file)
+
+    return save_iteration(request.checkpoint_dir, iteration_dir_name(iteration), iteration, TRACKER, fill)
 
 
 class LocalMegatronBackend:

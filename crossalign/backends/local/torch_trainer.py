@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from crossalign.backends.base import TrainRequest, TrainResult
-from crossalign.config import TrainingConfig
+from crossalign.config import MegatronParallel, TrainingConfig
 from crossalign.logs.formats import megatron_prints_loss, megatron_resets_after_first_line
 
 
@@ -122,16 +122,18 @@ def deterministic_training_threads() -> Iterator[None]:
 
 
 @contextmanager
-def megatron_log(path: Path, seed: int) -> Iterator[Callable[[str], None]]:
-    """The Megatron log file, opened with the lines a one-rank run prints first; yields ``emit(line)``."""
+def megatron_log(path: Path, seed: int,
+                 layout: MegatronParallel = MegatronParallel()) -> Iterator[Callable[[str], None]]:
+    """The Megatron log file, opened with the lines a run in ``layout`` (one rank by default) prints first;
+    yields ``emit(line)``."""
     with path.open("w", encoding="utf-8") as log:
         def emit(text: str) -> None:
             log.write(text + "\n")
             log.flush()
 
-        emit("using world size: 1, data-parallel size: 1, context-parallel size: 1, "
-             "hierarchical context-parallel sizes: None, tensor-model-parallel size: 1, "
-             "pipeline-model-parallel size: 1")
+        emit(f"using world size: {layout.world_size}, data-parallel size: {layout.data_parallel}, context-parallel "
+             f"size: {layout.context}, hierarchical context-parallel sizes: None, tensor-model-parallel size: "
+             f"{layout.tensor}, pipeline-model-parallel size: {layout.pipeline}")
         emit(f"> setting random seeds to {seed} ...")
         yield emit
 
