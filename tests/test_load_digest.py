@@ -107,3 +107,29 @@ def test_the_mindspore_side_names_what_it_did_not_load():
     changed[expert + "_renamed"] = changed.pop(expert)
     with pytest.raises(LoadDigestError, match=f"not in the checkpoint.*{expert}.*never loaded.*{expert}_renamed"):
         _verify_loaded(values, changed)
+
+
+@pytest.mark.timeout(300)
+def test_the_embedded_megatron_core_side_names_both_and_verifies_a_clean_load(tmp_path: Path):
+    from crossalign.backends.local.mcore_cpu import megatron_core_on_cpu
+    from crossalign.backends.local.mcore_model import McoreLoadError, build_gpt_model, load_converted_state
+    from crossalign.backends.local.mcore_trainer import verify_loaded
+    from crossalign.backends.base import DatasetFiles, TrainRequest
+
+    config = load_config("qwen35_moe_tiny")
+    state = random_megatron_state(config)
+    request = TrainRequest(config=config, side="megatron", mode="align", output_dir=tmp_path,
+                           data=DatasetFiles(prefix=tmp_path / "data", tokenizer=tmp_path), init_checkpoint=tmp_path / "ckpt")
+    with megatron_core_on_cpu(config.training.seed):
+        net = build_gpt_model(config.model, config.training)
+        load_converted_state(net, state, config.model, config.training.megatron_core_version)
+        verify_loaded(net, state, request)
+        with pytest.raises(LoadDigestError, match="other values: decoder.final_layernorm.weight"):
+            verify_loaded(net, {**state, "decoder.final_layernorm.weight": state["decoder.final_layernorm.weight"] + 1},
+                          request)
+        with pytest.raises(McoreLoadError) as caught:
+            load_converted_state(net, faulty(state), config.model, config.training.megatron_core_version)
+    local_renamed = RENAMED[0].replace("linear_fc1.weight2", "local_experts.2.linear_fc1.weight")
+    for name in (local_renamed, MISSING.replace("linear_fc2.weight0", "local_experts.0.linear_fc2.weight"),
+                 RENAMED[1]):
+        assert name in str(caught.value)
