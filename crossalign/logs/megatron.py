@@ -6,9 +6,10 @@ it is read as published logs show it: no timestamp, `` [date]``, ``[date]``, lau
 2019 form without colons (``lm loss 1.0E+01``); extra fields whose values hold colons or spaces; a
 record wrapped over two lines, at a space or inside a word (``load_bal`` / ``ancing_loss: ...``: the two
 pieces are joined as the field name they spell, see ``_rejoin``); another process's print glued on after
-a record's closing field (the record is read up to that field). Every record is read on its own, so a field missing from one record
-(no ``lm loss`` when every iteration of the interval was skipped, no ``grad norm``) is NaN there and
-nowhere else. Validation lines, DeepSpeed's ``steps: N loss: X``, memory and timer lines are not records.
+a record's closing field (the record is read up to that field). Every record is read on its own, so a
+field missing from one record (no ``lm loss`` when every iteration of the interval was skipped, no
+``grad norm``) is NaN there and nowhere else. Validation lines, DeepSpeed's ``steps: N loss: X``, memory
+and timer lines are not records.
 
 Losses are kept by name: ``lm loss``, ``mtp_K loss``, the MoE aux loss (``load_balancing_loss``, else
 ``seq_load_balancing_loss``, else ``global_load_balancing_loss``: the first of these the log prints)

@@ -41,8 +41,9 @@ def same_log(npu: pd.DataFrame, gpu: pd.DataFrame) -> str | None:
     if npu.attrs["format"] == gpu.attrs["format"] and set(npu.attrs["logged"]) == set(gpu.attrs["logged"]):
         columns = ["step", *sorted(npu.attrs["logged"])]
         if npu[columns].reset_index(drop=True).equals(gpu[columns].reset_index(drop=True)):
-            return (f"both sides are the same log: {paths[0]} and {paths[1]} hold the same "
-                    f"{FRAMEWORK.get(npu.attrs['format'], npu.attrs['format'])} records, so they agree by construction")
+            framework = FRAMEWORK.get(npu.attrs["format"], npu.attrs["format"])
+            return (f"both sides are the same log: {paths[0]} and {paths[1]} hold the same {framework} records, "
+                    "so they agree by construction")
     return None
 
 
@@ -55,8 +56,8 @@ def check_formats(npu: pd.DataFrame, gpu: pd.DataFrame, allow_any_format: bool =
              if frame.attrs["format"] not in SIDE_FORMATS[side]}
     if not wrong:
         return
-    words = [f"{OPTION[side]} {frame.attrs['path']} is a {FRAMEWORK.get(frame.attrs['format'], frame.attrs['format'])} "
-             f"log, the {'GPU' if side == 'npu' else 'NPU'} side's format" for side, frame in wrong.items()]
+    words = [f"{OPTION[side]} {frame.attrs['path']} is a {FRAMEWORK.get(frame.attrs['format'], frame.attrs['format'])}"
+             f" log, the {'GPU' if side == 'npu' else 'NPU'} side's format" for side, frame in wrong.items()]
     fix = "the sides look swapped: exchange --npu-log and --gpu-log" if len(wrong) == 2 else (
         "the NPU side is MindFormers' log and the GPU side Megatron's")
     raise SideFormatError(f"{'; '.join(words)}: {fix}, or pass --allow-any-format if this is intended")
