@@ -203,6 +203,8 @@ class TrainingConfig(_Strict):
                     "kernels have no bf16 MatMul)")
     deterministic: bool = True
     megatron_core_version: str = Field(default="0.16.1", description="decides the MTP key prefix and log semantics")
+    mindformers_version: str = Field(default="2.1.0", description="the NPU site's MindFormers release (2.0.0 or "
+                                     "later): decides how its log's mtp_1_loss is read")
 
     @model_validator(mode="after")
     def _check_batches(self) -> "TrainingConfig":

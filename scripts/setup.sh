@@ -31,3 +31,16 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 # torch==2.13.0 resolves to the CPU build that pip finds on this machine (see README).
 .venv/bin/pip install -q --disable-pip-version-check -e ".[${extras}]"
+
+if [[ "$extras" == *dev* ]]; then
+    # The MindFormers releases whose own code the tests run (tests/mindformers_upstream.py): wheels only,
+    # without their dependencies (MindFormers pins other MindSpore versions; the project's MindSpore runs them).
+    wheels=.cache/mindformers-wheels
+    mkdir -p "$wheels"
+    for version in 1.9.0 2.0.0 2.1.0; do
+        if [[ ! -f "$wheels/mindformers-$version-py3-none-any.whl" ]]; then
+            .venv/bin/pip download -q --disable-pip-version-check --no-deps -d "$wheels" "mindformers==$version" \
+                || echo "warning: could not download mindformers $version; the tests of its code will be skipped" >&2
+        fi
+    done
+fi

@@ -52,7 +52,8 @@ from crossalign.backends.launch import (
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
-from crossalign.logs.common import LogFormatError, read_log_text
+from crossalign.logs.common import LogFormatError, read_log_text, step_ranges
+from crossalign.logs.formats import mindformers_scales_mtp_loss
 from crossalign.logs.mindformers import parse_mindformers_text
 
 if TYPE_CHECKING:
@@ -63,6 +64,20 @@ CHECKPOINT_PREFIX = "qwen35"
 DETERMINISTIC_ENV = {"HCCL_DETERMINISTIC": "true", "ASCEND_LAUNCH_BLOCKING": "1"}
 MSRUN_PORT = 8118
 ROUTER_DTYPE_NAMES = {"fp32": "float32"}  # our config's (Megatron's) names -> MindFormers' dtype names
+
+
+def shared_expert_num(config: AlignmentConfig) -> int:
+    """Qwen3.5 MoE has one shared expert (of moe_shared_expert_intermediate_size) or none."""
+    return 1 if config.model.moe_shared_expert_intermediate_size else 0
+
+
+def check_mindformers_version(config: AlignmentConfig) -> bool:
+    """Whether the site's MindFormers (``training.mindformers_version``) logs mtp_<i>_loss scaled; raise
+    BackendSetupError for a release the generated YAML and the log check do not support."""
+    try:
+        return mindformers_scales_mtp_loss(config.training.mindformers_version)
+    except ValueError as exc:
+        raise BackendSetupError(f"training.mindformers_version: {exc}") from None
 
 
 def _model_section(config: AlignmentConfig) -> dict:
@@ -79,7 +94,10 @@ def _model_section(config: AlignmentConfig) -> dict:
         "num_key_value_heads": m.num_query_groups,
         "head_dim": m.kv_channels,
         "intermediate_size": m.ffn_hidden_size,
-        "hidden_act": "swiglu",
+        # The pynative ACTIVATION_MAP has gelu, silu and fusedswiglu only ("swiglu" fails the model build,
+        # 2.1.0 pynative/layers/activation.py:280-309); SwiGLU is silu with gated_linear_unit, as upstream's
+        # pynative YAMLs write it.
+        "hidden_act": "silu",
         "normalization": "RMSNorm",
         "gated_linear_unit": True,
         "rms_norm_eps": m.norm_epsilon,
@@ -114,6 +132,9 @@ def _model_section(config: AlignmentConfig) -> dict:
             "num_experts": m.num_experts,
             "num_experts_per_tok": m.moe_router_topk,
             "moe_intermediate_size": m.moe_ffn_hidden_size,
+            # Without shared_expert_num > 0 the pynative MoE layer builds no shared expert, with only a
+            # warning (2.1.0 pynative/transformers/moe/moe_layer.py:56; TransformerConfig default 0).
+            "shared_expert_num": shared_expert_num(config),
             "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
             "use_shared_expert_gating": m.moe_shared_expert_gate,
             "norm_topk_prob": m.norm_topk_prob,
@@ -158,6 +179,7 @@ def mindformers_yaml(
     if t.global_batch_size % (t.micro_batch_size * data_parallel):
         raise BackendSetupError(f"training.global_batch_size {t.global_batch_size} is not a multiple of "
                                 f"micro_batch_size {t.micro_batch_size} x {data_parallel} cards")
+    check_mindformers_version(config)
     steps = t.base_train_iters if mode == "base" else t.train_iters
     model = _model_section(config)
     model.update(model_overrides or {})
@@ -207,7 +229,8 @@ def mindformers_yaml(
             "context_parallel": layout.context,
             "sequence_parallel": layout.sequence_parallel,
         },
-        # With MTP, MindFormers wants the string "None" here; lower-case "none" is another value.
+        # The string "None" (no recompute); RecomputeConfig accepts only "None", "full" and "select" and
+        # rejects lower-case "none" (2.1.0 pynative/config/config.py:886-891).
         "recompute": {"mode": "None"},
         "train_dataset": {
             "dataloader": {
@@ -260,6 +283,7 @@ def expected_transformer_config(config: AlignmentConfig) -> dict[str, object]:
         "num_query_groups": m.num_query_groups, "kv_channels": m.kv_channels, "ffn_hidden_size": m.ffn_hidden_size,
         "vocab_size": m.padded_vocab_size, "seq_length": t.seq_length,
         "normalization": "RMSNorm", "layernorm_epsilon": m.norm_epsilon, "gated_linear_unit": True,
+        "hidden_act": "silu",
         "add_bias_linear": False, "tie_word_embeddings": False,
         "position_embedding_type": "rope", "rotary_base": m.rotary_base, "partial_rotary_factor": m.rotary_percent,
         "qk_layernorm": True, "attention_output_gate": True,
@@ -278,6 +302,7 @@ def expected_transformer_config(config: AlignmentConfig) -> dict[str, object]:
     if m.is_moe:
         expected.update({
             "moe_router_topk": m.moe_router_topk, "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
+            "shared_expert_num": shared_expert_num(config),
             "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
             "use_shared_expert_gating": m.moe_shared_expert_gate, "norm_topk_prob": m.norm_topk_prob,
             "moe_router_score_function": m.moe_router_score_function,
@@ -385,13 +410,19 @@ def _step_frame(log_path: Path) -> pd.DataFrame | None:
 
 
 def _first_step_without(frame: pd.DataFrame | None, column: str) -> int | None:
-    """The first logged step whose line lacks ``column`` (None when every line has it)."""
+    """The first logged step whose line lacks ``column`` (None when every line has it; a printed NaN is there)."""
     if frame is None or not len(frame):
         return None
     if column not in frame.columns:
         return int(frame["step"].iloc[0])
-    lacking = frame["step"][frame[column].isna()]
-    return int(lacking.iloc[0]) if len(lacking) else None
+    printed_nan = set(frame.attrs.get("printed_nan", {}).get(column, ()))
+    lacking = [int(step) for step in frame["step"][frame[column].isna()] if int(step) not in printed_nan]
+    return lacking[0] if lacking else None
+
+
+def _nan_steps(frame: pd.DataFrame | None, column: str) -> list[int]:
+    """The steps whose line printed ``column`` as nan or inf."""
+    return [] if frame is None else sorted(frame.attrs.get("printed_nan", {}).get(column, ()))
 
 
 def verify_mindformers_log(log_path: Path, *, steps: int, loaded: bool, exit_status: int, mtp: bool,
@@ -425,10 +456,17 @@ def verify_mindformers_log(log_path: Path, *, steps: int, loaded: bool, exit_sta
         raise BackendRunError(f"{log_path}: steps {absent[0]}..{absent[-1]} of {steps} were never logged "
                               f"(last logged: {max(seen) if seen else 0}); end of the log:\n{failure_summary(log_path)}")
     patch = ("apply the mindformers-qwen35-loss-logging patch to the fork's Qwen3.5 classes; MindFormers "
-             "r1.9.0's LossCallback logs neither loss whatever the model has")
-    for wanted, kind, column, name in ((mtp, "MTP", "mtp_1_loss", "mtp_1_loss"),
+             "releases before 2.0.0 log neither loss whatever the model has")
+    for wanted, kind, column, name in ((True, "LM", "lm_loss", "loss"), (mtp, "MTP", "mtp_1_loss", "mtp_1_loss"),
                                        (moe, "MoE", "aux_loss", "load_balancing_loss")):
-        step = _first_step_without(frame, column) if wanted else None
+        if not wanted:
+            continue
+        nan = _nan_steps(frame, column)
+        step = _first_step_without(frame, column) if column != "lm_loss" else None
+        if nan and (step is None or nan[0] < step):
+            raise BackendRunError(f"{log_path}: {name} is NaN at step {nan[0]} (the {kind} loss diverged; NaN at "
+                                  f"step(s) {step_ranges(nan)} of {steps}); end of the log:\n"
+                                  f"{failure_summary(log_path)}")
         if step is not None:
             raise BackendRunError(f"{log_path}: the model has {kind} but the line of step {step} has no {name} "
                                   f"(LossCallback asks the top model for it: {patch})")

@@ -18,12 +18,30 @@ MINDFORMERS_GRAPH_SOURCE = "mindformers/core/callback/callback.py:747"
 MINDFORMERS_GRAPH_PROGRESS_SOURCE = "mindformers/core/callback/callback.py:764"
 
 
-def core_version_tuple(version: str) -> tuple[int, int, int]:
+def core_version_tuple(version: str, framework: str = "megatron core") -> tuple[int, int, int]:
     """``"0.16.1"`` -> ``(0, 16, 1)``; a suffix such as ``rc0`` or ``.dev0`` is ignored."""
-    match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    match = re.match(r"[vr]?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
     if match is None:
-        raise ValueError(f"megatron core version {version!r} is not of the form MAJOR.MINOR[.PATCH]")
+        raise ValueError(f"{framework} version {version!r} is not of the form MAJOR.MINOR[.PATCH]")
     return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+# MindFormers pynative ``LossCallback`` prints ``mtp_<i>_loss`` as the MTP tracker holds it (``process_mtp_loss``,
+# ``pynative/transformers/multi_token_prediction.py``): multiplied by mtp_loss_scaling_factor / mtp_num_layers
+# in r2.0.0 (L645-649) and on master until July 2026 (L659-663), the plain cross entropy from 2.1.0 (L683-687).
+# Releases before 2.0.0 log no MTP or aux loss at all (r1.9.0 ``loss_callback.py``) and are not supported.
+MINDFORMERS_OLDEST = (2, 0, 0)
+MINDFORMERS_UNSCALED_MTP = (2, 1, 0)  # first release that prints the MTP loss unscaled
+
+
+def mindformers_scales_mtp_loss(version: str) -> bool:
+    """Whether this MindFormers release's pynative log prints mtp_<i>_loss multiplied by
+    mtp_loss_scaling_factor / mtp_num_layers (r2.0.0) rather than as the plain cross entropy (2.1.0 on)."""
+    parsed = core_version_tuple(version, "MindFormers")
+    if parsed < MINDFORMERS_OLDEST:
+        raise ValueError(f"MindFormers {version}: releases before 2.0.0 log neither the MTP nor the MoE aux loss "
+                         "(r1.9.0 LossCallback) and reject the generated YAML; use 2.0.0 or later")
+    return parsed < MINDFORMERS_UNSCALED_MTP
 
 
 # Megatron-LM ``megatron/training/training.py::training_log``: from core_v0.16.0 the first iteration of

@@ -6,11 +6,17 @@ mindformers<dir>[<file:line>] - INFO - ``, the file handler's ``[INFO] <time> [<
 the older ``<time> - mindformers - INFO - `` or none). What each format means (SPEC section 7,
 reference/mindformers.md 1b-1c):
 
-- pynative: ``loss`` is the lm loss, ``mtp_k_loss`` unscaled, ``load_balancing_loss`` the mean
-  unscaled aux loss per MoE layer, ``lr`` the lr of the *next* step (``lr_step_offset`` 1); a
-  non-last pipeline stage prints ``loss: N/A (...)`` and is skipped. MindFormers master prints
-  ``consumed_samples`` and ``global_batch_size`` after the step; the release branches r1.9.0 and
-  r2.0.0 do not (``mindformers/pynative/callback/loss_callback.py::_print_log``);
+- pynative: ``loss`` is the lm loss, ``load_balancing_loss`` the mean unscaled aux loss per MoE
+  layer, ``lr`` the lr of the *next* step (``lr_step_offset`` 1); a non-last pipeline stage prints
+  ``loss: N/A (...)`` and is skipped. ``mtp_k_loss`` is unscaled from 2.1.0 but multiplied by
+  mtp_loss_scaling_factor / mtp_num_layers in r2.0.0 (``formats.mindformers_scales_mtp_loss``):
+  given the release, the frame holds it unscaled. 2.1.0 and master print ``consumed_samples`` and
+  ``global_batch_size`` after the step; r2.0.0 does not (``pynative/callback/loss_callback.py::_print_log``).
+  With ``training.use_skip_step_on_nan`` (2.1.0) a step whose gradient norm is NaN/Inf is not applied
+  and the trainer warns ``[SkipStepOnNaN] Global gradient norm is nan at step N, skipping the
+  optimizer update ...`` (``pynative/trainer/trainer.py:1966``); the optimizer's step count, hence
+  its lr, then stays behind the printed one by the steps skipped so far, and the frame's lr is
+  corrected for it (a printed value NaN is kept: ``attrs["printed_nan"]`` tells it from a value not printed);
 - graph: ``loss`` is the TOTAL (lm + aux + scaled mtp); ``lm_loss`` is printed only for MoE or
   MTP models (otherwise the total is all there is, and for such a dense model it equals the lm
   loss); ``mtp_loss`` is already multiplied by mtp_loss_scaling_factor / mtp_num_layers; ``lr``
@@ -36,8 +42,9 @@ import pandas as pd
 
 from crossalign.logs.common import (
     NAN, RANK_TAG_RE, LogFormatError, finish_frame, floats, line_of, loss_column, mtp_column, pick_rank,
-    read_log_text, unreadable_notes,
+    read_log_text, step_ranges, unreadable_notes,
 )
+from crossalign.logs.formats import mindformers_scales_mtp_loss
 
 STEP_MARK = "step:["
 PYNATIVE_RE = re.compile(r"(?<!\], )step:\[\s*\d+\s*/\s*\d+\s*\], (?:consumed_samples|loss)\b")
@@ -47,6 +54,7 @@ _RECORD_RE = re.compile(r"^([^\n]*?)(?:Epoch:\[\s*(\d+)\s*/\s*(\d+)\s*\],\s*)?st
 _FIELD_RE = re.compile(r"\s*([A-Za-z_][\w ]*?)\s*(?::\s*|\s+(?=\[))(.*)$", re.S)
 _NUMBER_RE = re.compile(r"\[?\s*([^\s/\]\[]+?)\s*(?:/[^\]]*)?\]?\s*(?:ms|T)?$")
 _NA = "N/A"
+SKIP_RE = re.compile(r"\[SkipStepOnNaN\] Global gradient norm is (\S+) at step (\d+), skipping the optimizer update")
 
 
 def split_fields(body: str) -> list[tuple[str, str]]:
@@ -202,7 +210,10 @@ def _slow(path: Path, text: str, graph: bool, notes: list[str], attrs: dict,
     rows = [row for row, k in zip(rows, keep) if k]
     columns = list(dict.fromkeys(name for row in rows for name in row))
     values = {name: np.array([row.get(name, NAN) for row in rows], dtype=np.float64) for name in columns}
-    return np.array(steps, dtype=np.int64)[keep], values, columns
+    kept = np.array(steps, dtype=np.int64)[keep]
+    attrs["printed_nan"] = {name: [int(step) for step, row in zip(kept, rows) if name in row and np.isnan(row[name])]
+                            for name in columns}
+    return kept, values, columns
 
 
 def _graph_columns(values: dict[str, np.ndarray], notes: list[str], attrs: dict,
@@ -229,10 +240,49 @@ def _graph_columns(values: dict[str, np.ndarray], notes: list[str], attrs: dict,
     return 0
 
 
+def _unscale_mtp(values: dict[str, np.ndarray], notes: list[str], attrs: dict, version: str,
+                 mtp_loss_scaling_factor: float | None) -> None:
+    """r2.0.0 prints mtp_<i>_loss multiplied by mtp_loss_scaling_factor / mtp_num_layers: divide it back."""
+    columns = [c for c in values if re.fullmatch(r"mtp_\d+_loss", c)]
+    if not columns or not mindformers_scales_mtp_loss(version):
+        return
+    if not mtp_loss_scaling_factor:
+        attrs["unusable"] = {c: f"MindFormers {version} prints it multiplied by mtp_loss_scaling_factor / "
+                                "mtp_num_layers: give the factor to compare it" for c in columns}
+        return
+    for column in columns:
+        values[column] = values[column] / mtp_loss_scaling_factor
+    notes.append(f"MindFormers {version} prints the MTP losses multiplied by mtp_loss_scaling_factor / mtp_num_layers; "
+                 f"divided by {mtp_loss_scaling_factor:g} to compare them unscaled")
+
+
+def _skipped_steps(text: str, steps: np.ndarray, values: dict[str, np.ndarray], notes: list[str]) -> list[int]:
+    """Correct the lr for the steps the trainer skipped on a NaN/Inf gradient norm (see the module docstring).
+
+    The lr printed at step s is the schedule at s, and the optimizer applies the schedule at the number
+    of updates it made: at step s + 1 that is s - k, k being the steps skipped up to s. So the lr of
+    row s (applied at s + 1) is the one printed at step s - k, and NaN when step s + 1 was itself skipped.
+    """
+    skipped = sorted({int(match[2]) for match in SKIP_RE.finditer(text)})
+    if not skipped or "lr" not in values:
+        return skipped
+    printed = dict(zip(steps.tolist(), values["lr"].tolist()))
+    done = np.searchsorted(np.array(skipped), steps, side="right")  # skipped steps <= s
+    values["lr"] = np.array([NAN if step + 1 in skipped else printed.get(step - k, NAN) if k else printed[step]
+                             for step, k in zip(steps.tolist(), done.tolist())], dtype=np.float64)
+    notes.append(f"the trainer skipped the optimizer update of step(s) {step_ranges(skipped)} (NaN/Inf gradient "
+                 "norm, [SkipStepOnNaN]): the printed lr runs ahead of the applied one by the steps skipped so far; "
+                 "the applied lr is taken from the earlier lines")
+    return skipped
+
+
 def parse_mindformers_text(path: Path, text: str, mtp_loss_scaling_factor: float | None = None,
-                           truncated: bool = False, fmt: str | None = None) -> pd.DataFrame:
+                           truncated: bool = False, fmt: str | None = None,
+                           mindformers_version: str | None = None) -> pd.DataFrame:
     """Parse the text of a MindFormers log (``path`` only names it in messages and attrs);
-    ``fmt`` is the format when the caller already detected it."""
+    ``fmt`` is the format when the caller already detected it. ``mindformers_version`` (pynative) decides
+    whether its mtp_<i>_loss is scaled; ``mtp_loss_scaling_factor`` is then mtp_loss_scaling_factor /
+    mtp_num_layers, as for graph mode. Without the version the MTP losses are read as printed."""
     path = Path(path)
     notes: list[str] = []
     attrs: dict = {}
@@ -245,12 +295,18 @@ def parse_mindformers_text(path: Path, text: str, mtp_loss_scaling_factor: float
     graph = fmt == "mindformers-graph"
     fast = None if graph else _fast(text, text.count(STEP_MARK))
     steps, values, columns = fast or _slow(path, text, graph, notes, attrs, unreadable)
+    if fast:
+        attrs["printed_nan"] = {name: [int(s) for s in steps[np.isnan(col)]] for name, col in values.items()}
     notes += unreadable_notes(path, "MindFormers", unreadable)
     if not len(steps):
         raise LogFormatError(f"{path}: no MindFormers {'graph-mode' if graph else 'pynative'} step line could be read")
     mtp_count = max((int(c.split("_")[1]) for c in columns if re.fullmatch(r"mtp_\d+_loss", c)), default=0)
     if graph:
         mtp_count = _graph_columns(values, notes, attrs, mtp_loss_scaling_factor)
+    else:
+        if mindformers_version is not None:
+            _unscale_mtp(values, notes, attrs, mindformers_version, mtp_loss_scaling_factor)
+        attrs["skipped_steps"] = _skipped_steps(text, steps, values, notes)
     extras = [c for c in values if c.endswith("_loss") and c not in ("lm_loss", "aux_loss")
               and not re.fullmatch(r"mtp_\d+_loss", c)]
     logged = [name for name, col in values.items() if name != "step_time_ms" and not np.isnan(col).all()]
@@ -260,10 +316,13 @@ def parse_mindformers_text(path: Path, text: str, mtp_loss_scaling_factor: float
     return finish_frame(path, fmt, steps, values, mtp_count, logged, attrs, extras=extras)
 
 
-def parse_mindformers_log(path: Path, mtp_loss_scaling_factor: float | None = None) -> pd.DataFrame:
+def parse_mindformers_log(path: Path, mtp_loss_scaling_factor: float | None = None,
+                          mindformers_version: str | None = None) -> pd.DataFrame:
     """Parse a MindFormers log file, pynative or graph mode (see ``crossalign.logs.common`` for the frame).
 
-    ``mtp_loss_scaling_factor`` is needed only for graph-mode logs with ``mtp_loss`` (already scaled).
+    ``mtp_loss_scaling_factor`` is needed for graph-mode logs with ``mtp_loss`` and for pynative logs of a
+    release that prints the MTP losses scaled (``mindformers_version`` r2.0.0), both already scaled.
     """
     text, truncated = read_log_text(Path(path))
-    return parse_mindformers_text(Path(path), text, mtp_loss_scaling_factor, truncated)
+    return parse_mindformers_text(Path(path), text, mtp_loss_scaling_factor, truncated,
+                                  mindformers_version=mindformers_version)

@@ -1,0 +1,201 @@
+"""Runs MindFormers' own code on what crossalign generates; started by tests/mindformers_upstream.py.
+
+Runs in a subprocess whose PYTHONPATH starts with an unpacked MindFormers wheel and the
+``hyper_parallel`` stand-in. Reads a job (JSON) naming the tasks, writes their results (JSON).
+What is not MindFormers' own code here, and why:
+
+- public MindFormers has no Qwen3.5 model (a site's fork has it): the model is MindFormers' pynative
+  ``GPTModel`` built the way its ``PyNativeQwen3ForCausalLM`` builds it, from the generated YAML's
+  ``model`` section converted by ``Qwen3ConfigConverter`` extended with the MoE rows of upstream's own
+  alias table (``COMMON_CONFIG_MAPPING``), since Qwen3 is dense. The GatedDeltaNet and attention-gate
+  keys (``FORK_ONLY``) are left out of the build: no public TransformerConfig knows them, so every
+  layer is full attention;
+- ``LossCallback._print_log`` and ``Trainer._should_skip_optimizer_step`` are called with the values a
+  training step would hand them (a full training step needs NPU kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
+
+FORK_ONLY = ("experimental_attention_variant", "attention_output_gate", "linear_attention_freq",
+             "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+             "linear_num_value_heads")
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _log_to(path: Path) -> logging.Handler:
+    """Also write MindFormers' log records to ``path``, formatted as its stdout handler formats them."""
+    from mindformers.tools.logger import get_logger
+    logger = get_logger()
+    handler = logging.FileHandler(path)
+    stdout = [h for h in logger.handlers if isinstance(h, logging.StreamHandler)
+              and not isinstance(h, logging.FileHandler)]
+    handler.setFormatter(stdout[0].formatter if stdout else logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    return handler
+
+
+def _unlog(handler: logging.Handler) -> None:
+    from mindformers.tools.logger import get_logger
+    get_logger().removeHandler(handler)
+    handler.close()
+
+
+def load_yaml(path: str) -> str:
+    """MindFormers' pynative TrainConfig loader on the file: "ok" or the error it raises."""
+    from mindformers.pynative.config.config import TrainConfig
+    try:
+        TrainConfig.load_from_yaml(path)
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return _error(exc)
+
+
+def converter():
+    from mindformers.models.qwen3.config_converter_qwen3 import Qwen3ConfigConverter
+    from mindformers.parallel_core.transformer_config_utils import COMMON_CONFIG_MAPPING
+
+    moe = {sources: target for sources, target in COMMON_CONFIG_MAPPING.items()
+           if isinstance(target, str) and (target.startswith("moe_") or target in ("num_moe_experts",
+                                                                                    "shared_expert_num"))}
+    return type("MoEQwen3ConfigConverter", (Qwen3ConfigConverter,), {"CONFIG_MAPPING": moe})
+
+
+def convert(model: dict, log: Path):
+    handler = _log_to(log)
+    try:
+        return converter().convert(dict(model))
+    finally:
+        _unlog(handler)
+
+
+def public(model: dict) -> dict:
+    """The model section without the keys only a fork's TransformerConfig has (see the module docstring)."""
+    return {key: value for key, value in model.items() if key not in FORK_ONLY}
+
+
+def build(model: dict, log: Path):
+    """MindFormers' pynative GPTModel for the model section, as PyNativeQwen3ForCausalLM builds it."""
+    from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, \
+        get_gpt_layer_local_spec
+    from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
+
+    config = convert(public(model), log)
+    spec = (get_gpt_decoder_block_spec(config) if config.num_moe_experts else
+            get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=True))
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=config.vocab_size,
+                    max_sequence_length=config.max_position_embeddings,
+                    position_embedding_type=config.position_embedding_type, rotary_base=config.rotary_base,
+                    share_embeddings_and_output_weights=config.tie_word_embeddings)
+
+
+def parameters(net) -> dict:
+    return {name: [list(p.shape), str(p.dtype)] for name, p in net.parameters_and_names()}
+
+
+def model_task(name: str, path: str, workdir: Path) -> dict:
+    model = yaml.safe_load(Path(path).read_text())["model"]
+    out: dict = {"load": load_yaml(path)}
+    convert(model, workdir / f"convert_{name}.log")
+    out["convert_log"] = str(workdir / f"convert_{name}.log")
+    net = build(model, workdir / f"build_{name}.log")
+    out["parameters"] = parameters(net)
+    out["rotary_percent"] = net.rotary_percent
+    out["rotary_dims"] = 2 * int(net.rotary_pos_emb._inv_freq_np.shape[0])
+    return out
+
+
+def variant_task(name: str, path: str, changes: dict, workdir: Path) -> dict:
+    """Build the model with some model keys changed (None: removed): its parameter names, or the error."""
+    model = yaml.safe_load(Path(path).read_text())["model"]
+    for key, value in changes.items():
+        if value is None:
+            model.pop(key, None)
+        else:
+            model[key] = value
+    try:
+        return {"parameters": parameters(build(model, workdir / f"variant_{name}.log"))}
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return {"error": _error(exc), "where": traceback.format_exc(limit=-2)}
+
+
+def loss_lines(steps: list[dict], model: dict, lr: dict, log: Path) -> None:
+    """LossCallback.on_step_end, MindFormers' own per-step code and format, on each step's values.
+
+    The model answers LossCallback's questions (its converted TransformerConfig; the aux and MTP losses
+    its trackers hold) with the given values; the lr comes from MindFormers' own ConstantWarmUpLR.
+    """
+    import mindspore as ms
+    from mindformers.core.lr.lr_schedule import ConstantWarmUpLR
+    from mindformers.pynative.callback.loss_callback import LossCallback
+
+    config = convert(public(model), log.with_suffix(".convert.log"))
+    scheduler = ConstantWarmUpLR(**lr)
+    callback = LossCallback()
+    handler = _log_to(log)
+    try:
+        for values in steps:
+            answers = SimpleNamespace(
+                get_gpt_transformer_config=lambda: config,
+                get_load_balancing_loss=lambda *args, aux=values.get("aux"), **kwargs: (
+                    None if aux is None else ms.Tensor(float(aux), ms.float32)),
+                get_mtp_loss=lambda *args, mtp=values.get("mtp", ()), **kwargs: (
+                    [ms.Tensor(float(x), ms.float32) for x in mtp] or None),
+                reset_model_temporary_tensors=lambda: None)
+            state = SimpleNamespace(global_step=values["step"], max_steps=values["max_steps"], num_accumulation_steps=1,
+                                    loss_scale=1.0, consumed_samples=values["step"] * 4, global_batch_size=4,
+                                    total_flops=0)
+            callback.on_step_begin(None, state)
+            time.sleep(0.002)  # per_step_time is whole milliseconds; the throughput divides by it
+            callback.on_step_end(None, state, loss=ms.Tensor(float(values["loss"]), ms.float32), model=answers,
+                                 grad_norm=ms.Tensor(float(values["grad_norm"]), ms.float32), lr_scheduler=scheduler)
+    finally:
+        _unlog(handler)
+
+
+def skip_warnings(steps: list[int], log: Path) -> None:
+    """The trainer's own NaN-skip decision and warning (2.1.0 training.use_skip_step_on_nan) at ``steps``."""
+    from mindformers.pynative.trainer.trainer import Trainer
+
+    trainer = SimpleNamespace(use_skip_step_on_nan=True, _consecutive_skipped_steps=0, max_consecutive_skipped_steps=0,
+                              state=SimpleNamespace(skipped_steps=0, global_step=0))
+    handler = _log_to(log)
+    try:
+        for step in steps:
+            trainer.state.global_step = step - 1
+            assert Trainer._should_skip_optimizer_step(trainer, float("nan")) is True
+    finally:
+        _unlog(handler)
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    workdir = Path(job["result"]).parent
+    result: dict = {}
+    result["models"] = {name: model_task(name, path, workdir) for name, path in job.get("models", {}).items()}
+    result["loads"] = {name: load_yaml(path) for name, path in job.get("loads", {}).items()}
+    result["variants"] = {name: variant_task(name, spec["yaml"], spec["changes"], workdir)
+                          for name, spec in job.get("variants", {}).items()}
+    if "loss_lines" in job:
+        spec = job["loss_lines"]
+        loss_lines(spec["steps"], yaml.safe_load(Path(spec["yaml"]).read_text())["model"], spec["lr"],
+                   workdir / "loss_lines.log")
+    if "skip_steps" in job:
+        skip_warnings(job["skip_steps"], workdir / "skip.log")
+    Path(job["result"]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""MindFormers' own code (the 2.0.0 and 2.1.0 wheels, and 1.9.0's loader) on what crossalign generates.
+
+Each release runs once, in a subprocess (tests/mindformers_upstream.py, tests/mindformers_driver.py):
+its pynative TrainConfig loader on the generated YAMLs, its config converter, its pynative GPTModel
+built from the generated model section, its LossCallback and its NaN-skip warning. The tests then
+hold crossalign's readers and checks against what it printed and built.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from crossalign.backends.launch import BackendRunError, BackendSetupError
+from crossalign.backends.mindformers import mindformers_yaml, dump_yaml, verify_mindformers_log, \
+    verify_transformer_config
+from crossalign.checkpoint.layout import mindformers_buffers, mindformers_shapes
+from crossalign.config import load_config
+from crossalign.logs.mindformers import parse_mindformers_log
+from mindformers_upstream import RELEASES, run_driver
+
+MODELS = ("qwen35_moe_tiny", "qwen35_dense_tiny")
+LR = {"learning_rate": 3e-3, "warmup_steps": 5, "warmup_lr_init": 0.0, "total_steps": 10}  # 3e-3 * s / 5 in warm-up
+STEPS = [{"step": 1, "max_steps": 3, "loss": 7.5, "aux": 1.01, "mtp": [7.6], "grad_norm": 1.5},
+         {"step": 2, "max_steps": 3, "loss": 7.4, "aux": "nan", "mtp": ["nan"], "grad_norm": "nan"},
+         {"step": 3, "max_steps": 3, "loss": 7.3, "aux": 1.02, "mtp": [7.5], "grad_norm": 1.4}]
+SKIPPED = [2]
+# Only a fork's TransformerConfig has these (public MindFormers has no Qwen3.5): the readback names them.
+FORK_FIELDS = {"attention_output_gate", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+               "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"}
+
+
+def generated(tmp: Path, name: str, mode: str = "align") -> str:
+    config = load_config(name)
+    kwargs = {"load_dir": "/ckpt"} if mode == "align" else {"save_dir": "/out"}
+    return str(dump_yaml(mindformers_yaml(config, mode=mode, data_prefix="/data/p", **kwargs), tmp / f"{name}_{mode}.yaml"))
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def release(request, tmp_path_factory):
+    """One run of a release's code on every generated YAML: (version, result, work folder)."""
+    version = request.param
+    tmp = tmp_path_factory.mktemp(f"mindformers-{version}")
+    models = {name: generated(tmp, name) for name in MODELS}
+    moe = models["qwen35_moe_tiny"]
+    job = {"models": models,
+           "loads": {f"{name}_base": generated(tmp, name, "base") for name in MODELS},
+           "variants": {"swiglu": {"yaml": moe, "changes": {"hidden_act": "swiglu"}},
+                        "no_shared_expert_num": {"yaml": moe, "changes": {"shared_expert_num": None}}},
+           "loss_lines": {"yaml": moe, "lr": LR, "steps": STEPS}}
+    if version >= "2.1.0":
+        job["skip_steps"] = SKIPPED
+    result, _ = run_driver(version, job, tmp / "work")
+    return version, result, tmp / "work"
+
+
+def test_the_generated_yamls_load(release):
+    version, result, _ = release
+    assert {name: m["load"] for name, m in result["models"].items()} == {name: "ok" for name in MODELS}
+    assert set(result["loads"].values()) == {"ok"}, result["loads"]
+
+
+def test_the_converted_config_passes_the_readback_but_for_the_fork_fields(release):
+    """The real converter's "final converted TransformerConfig" block, fed to the step's check: every
+    number-changing setting arrives, only the GatedDeltaNet/gate fields a fork adds are missing."""
+    version, result, _ = release
+    for name in MODELS:
+        with pytest.raises(BackendRunError) as error:
+            verify_transformer_config(Path(result["models"][name]["convert_log"]), load_config(name))
+        message = str(error.value)
+        missing = re.search(r"YAML key was dropped\): ([^;]+)", message)
+        assert missing and set(missing[1].split(", ")) == FORK_FIELDS, message
+        assert "different" not in message, message
+
+
+def test_without_shared_expert_num_the_readback_fails_and_no_shared_expert_is_built(release):
+    version, result, work = release
+    variant = result["variants"]["no_shared_expert_num"]["parameters"]
+    assert not any(".shared_experts." in name for name in variant)
+    with pytest.raises(BackendRunError, match=r"different: .*shared_expert_num 0 \(expected 1\)"):
+        verify_transformer_config(work / "variant_no_shared_expert_num.log", load_config("qwen35_moe_tiny"))
+
+
+def test_hidden_act_swiglu_fails_the_pynative_build(release):
+    _, result, _ = release
+    assert "Activation 'swiglu' is not supported" in result["variants"]["swiglu"]["error"]
+
+
+def _expected_public(name: str) -> dict[str, tuple[int, ...]]:
+    """crossalign's MindFormers layout of the model, as public MindFormers can build it: every layer is
+    full attention (no GatedDeltaNet) and linear_qkv has no output-gate rows (nh * head_dim fewer)."""
+    m = load_config(name).model
+    expected = {**mindformers_shapes(m), **mindformers_buffers(m)}
+    first = f"decoder.layers.{m.layer_kinds.index('attention')}."
+    attention = {key.removeprefix(first): shape for key, shape in expected.items()
+                 if key.startswith(first + "self_attention.")}
+    out = {key: shape for key, shape in expected.items()
+           if not (key.startswith("decoder.layers.") and ".self_attention." in key)}
+    for i in range(m.num_layers):
+        out.update({f"decoder.layers.{i}.{key}": shape for key, shape in attention.items()})
+    gate_rows = m.num_attention_heads * m.kv_channels
+    return {key: (shape[0] - gate_rows, shape[1]) if key.endswith("linear_qkv.weight") else shape
+            for key, shape in out.items()}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_built_modules_have_the_names_and_shapes_the_conversion_expects(release, name):
+    _, result, _ = release
+    built = {key: tuple(shape) for key, (shape, _) in result["models"][name]["parameters"].items()}
+    assert built == _expected_public(name)
+    if load_config(name).model.is_moe:
+        assert any(".mlp.shared_experts.shared_experts_gate." in key for key in built)
+
+
+def test_params_dtype_float32_is_partly_ignored_from_2_1_0(release):
+    """2.1.0's pynative Linear and GroupedMLP default to the compute dtype (bf16 here): its MLP, expert,
+    output-layer and eh_proj weights are bf16 whatever params_dtype says; 2.0.0 builds them in float32."""
+    version, result, _ = release
+    bf16 = sorted(key for key, (_, dtype) in result["models"]["qwen35_moe_tiny"]["parameters"].items()
+                  if dtype == "BFloat16")
+    if version < "2.1.0":
+        assert bf16 == []
+        return
+    assert all(re.search(r"mlp\.(experts|shared_experts\.linear_fc)|^output_layer|eh_proj", key) for key in bf16), bf16
+    assert {"output_layer.weight", "mtp.layers.0.eh_proj.weight", "decoder.layers.0.mlp.experts.weight1"} <= set(bf16)
+
+
+def test_the_built_model_takes_no_rope_fraction_from_the_config(release):
+    """GPTModel takes the rope fraction from its constructor argument rotary_percent (default 1.0), not
+    from partial_rotary_factor: a class that passes nothing trains full rope whatever the config says."""
+    _, result, _ = release
+    model = result["models"]["qwen35_moe_tiny"]
+    assert model["rotary_percent"] == 1.0 and model["rotary_dims"] == load_config("qwen35_moe_tiny").model.kv_channels
+
+
+def test_loss_callback_lines_are_read_and_a_nan_is_named(release):
+    version, _, work = release
+    log = work / "loss_lines.log"
+    frame = parse_mindformers_log(log, mtp_loss_scaling_factor=1.0, mindformers_version=version)
+    assert frame["step"].tolist() == [1, 2, 3]
+    assert frame["lm_loss"].tolist() == [7.5, 7.4, 7.3]
+    assert frame.loc[0, "aux_loss"] == 1.01 and frame.loc[0, "mtp_1_loss"] == 7.6
+    assert frame.attrs["printed_nan"]["mtp_1_loss"] == [2] and frame.attrs["printed_nan"]["aux_loss"] == [2]
+    with pytest.raises(BackendRunError, match=r"mtp_1_loss is NaN at step 2 \(the MTP loss diverged"):
+        verify_mindformers_log(log, steps=3, loaded=False, exit_status=0, mtp=True, moe=True)
+    with pytest.raises(BackendRunError, match=r"load_balancing_loss is NaN at step 2"):
+        verify_mindformers_log(log, steps=3, loaded=False, exit_status=0, mtp=False, moe=True)
+
+
+def test_the_lr_is_corrected_for_steps_skipped_on_nan(release):
+    version, _, work = release
+    if version < "2.1.0":
+        pytest.skip(f"MindFormers {version} has no training.use_skip_step_on_nan")
+    combined = work / "with_skips.log"
+    combined.write_text((work / "loss_lines.log").read_text() + (work / "skip.log").read_text() + "\n")
+    printed = parse_mindformers_log(work / "loss_lines.log")["lr"].tolist()
+    assert [round(x, 12) for x in printed] == [6e-4, 1.2e-3, 1.8e-3]  # the schedule at the printed step
+    frame = parse_mindformers_log(combined, mindformers_version=version)
+    assert frame.attrs["skipped_steps"] == SKIPPED
+    lr = frame["lr"].tolist()  # the lr applied at step s + 1 (lr_step_offset 1)
+    assert math.isnan(lr[0]) and lr[1:] == [printed[0], printed[1]]
+
+
+def test_r190_rejects_the_generated_yaml_and_is_not_supported(tmp_path):
+    result, _ = run_driver("1.9.0", {"loads": {"moe": generated(tmp_path, "qwen35_moe_tiny")}}, tmp_path / "work")
+    assert "Unknown configuration keys for ParallelismConfig" in result["loads"]["moe"]
+    assert "data_parallel_shard" in result["loads"]["moe"] and "expert_parallel" in result["loads"]["moe"]
+    config = load_config("qwen35_moe_tiny", ["training.mindformers_version=1.9.0"])
+    with pytest.raises(BackendSetupError, match="training.mindformers_version: MindFormers 1.9.0: releases before 2.0.0"):
+        mindformers_yaml(config, mode="align", data_prefix="/d", load_dir="/c")
