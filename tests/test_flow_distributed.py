@@ -52,11 +52,15 @@ def stack(prefect_server, tmp_path_factory):
         reports = subprocess.Popen([CROSSALIGN, "serve", "--port", report_url.rsplit(":", 1)[1].rstrip("/")],
                                    env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        with local_agents(env, site, log_dir=root, pools=POOLS):  # they probe their machine while the flows deploy
-            deployed = _crossalign("deploy", "--prefect-file", str(REPO / "prefect.yaml"), env=env)
+        # they probe their machine while the flows deploy; a test may replace one (the list is what is stopped)
+        with local_agents(env, site, log_dir=root, pools=POOLS) as agents:
+            deployed = _crossalign("deploy", "--prefect-file", str(REPO / "prefect.yaml"), env=env, timeout=600)
             assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+            said = deployed.stdout + deployed.stderr
+            assert len(said.splitlines()) <= 6 and "prefect worker start" not in said, said
+            assert "crossalign agent start --pool" in said and "marked Crashed" in said, said
             yield {"store": store, "site": site, "env": env, "root": root, "report_url": report_url,
-                   "ui_url": prefect_server.ui_url}
+                   "ui_url": prefect_server.ui_url, "agents": agents}
     finally:
         stop_process(reports)
 
@@ -78,12 +82,47 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _npu_machine_dies(stack, run_dir: Path) -> tuple[int, float]:
+    """While pynative-train writes its log, the npu machine dies as the README's recipe shows it: a second agent
+    of the same name is refused first; then the agent is SIGKILLed (its worker must die with it), then the
+    training process. Nothing is left to report the flow run's end, only its missing heartbeats. Returns
+    the killed pid and when it was killed; restarts the npu agent once the step is marked Crashed."""
+    import psutil
+
+    killed = _wait_for(lambda: pynative_writing_pid(run_dir), DAG_TIMEOUT_S, "pynative-train writing its log")
+    npu = POOLS.index("npu")
+    agent = stack["agents"][npu]
+    second = _crossalign("agent", "start", "--pool", "npu", "--site", str(stack["site"]), "--name", "local-npu",
+                         env=stack["env"], timeout=60)
+    assert second.returncode == 2 and "already running" in second.stderr, second.stdout + second.stderr
+    worker = psutil.Process(agent.pid).children()[0]
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.wait(timeout=10)
+    _wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 10,
+              "the worker to die with its agent")
+    os.kill(killed, signal.SIGKILL)
+    return killed, time.monotonic()
+
+
+def _restart_agent(stack, pool: str) -> None:
+    with open(stack["root"] / f"worker-{pool}-restarted.log", "w") as log:
+        stack["agents"][POOLS.index(pool)] = subprocess.Popen(
+            [CROSSALIGN, "agent", "start", "--pool", pool, "--site", str(stack["site"]), "--name", f"local-{pool}"],
+            env=stack["env"], stdout=log, stderr=subprocess.STDOUT, cwd=stack["root"])
+
+
+@pytest.mark.timeout(1800)  # the DAG, plus the 90 s in which a dead machine is noticed, on 2 busy cores
 def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_settings):
-    """The DAG through the deployments; the npu worker's pynative-train process is SIGKILLed while it
-    writes: the child crashes, the parent retries it as a new child, the run still passes."""
+    """The DAG through the deployments (crash detection as `crossalign deploy` set it up); the npu machine
+    dies while pynative-train writes (agent, then training process, SIGKILL): the child is marked Crashed
+    within the default detection time, the parent retries it as a new child, which the restarted agent
+    runs, and the run still passes."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId,
+                                                TaskRunFilter, TaskRunFilterFlowRunId)
     from prefect.deployments import run_deployment
+
+    from crossalign.agents.automation import DEFAULT_ZOMBIE_AFTER_S
 
     run_id = "e2e-dense"
     started = time.monotonic()
@@ -92,9 +131,16 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
         "retry_delay_s": 1.0})
     run_dir = stack["store"] / run_id
 
-    killed = _wait_for(lambda: pynative_writing_pid(run_dir), DAG_TIMEOUT_S, "pynative-train writing its log")
-    os.kill(killed, signal.SIGKILL)
+    killed, killed_at = _npu_machine_dies(stack, run_dir)
     with get_client(sync_client=True) as client:
+        crashed = _wait_for(lambda: next((r for r in _flow_runs_by_name(client, run_id).values()
+                                          if r.name == f"{run_id}-pynative-train" and r.state.is_crashed()), None),
+                            DEFAULT_ZOMBIE_AFTER_S + 120, "the dead machine's flow run to be marked Crashed")
+        detected_s = time.monotonic() - killed_at
+        print(f"\ndead npu machine detected after {detected_s:.0f} s")
+        assert detected_s <= DEFAULT_ZOMBIE_AFTER_S + 30, detected_s
+        assert "No heartbeat for 90 s" in crashed.state.message
+        _restart_agent(stack, "npu")
         final = _wait_for(lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(parent.id)),
                           DAG_TIMEOUT_S, "the parent flow run to finish")
     wall = time.monotonic() - started
@@ -129,6 +175,13 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
             overheads[spec.name] = (child.end_time - child.created).total_seconds() - manifest["seconds"]
             queued[spec.name] = (child.start_time - child.created).total_seconds()
         assert client.read_flow_run(parent.id).work_pool_name == "orchestrator"
+        task_runs = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(
+            any_=[parent.id])))
+        names = {t.name for t in task_runs}
+        assert names >= {"prepare-run", "preflight", *(spec.name for spec in STEPS)}, names
+        host = run.manifest("compare")["host"]
+        tracking = {t.name for t in task_runs if t.name.endswith(f", host {host}")}
+        assert tracking == {f"{spec.name} on {spec.pool}, host {host}" for spec in STEPS}, names
 
         megatron = children[f"{run_id}-megatron-train"]
         logs = [entry.message for entry in client.read_logs(
@@ -148,6 +201,9 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
         assert len(live) == 1 and "steps 1-5 of 5 compared" in live[0].data, live
         assert live[0].created < megatron.end_time and live[0].updated > live[0].created
         shown = {a.key: a for a in report}
+        rows = json.loads(shown["alignment-steps"].data)
+        assert [row["step"] for row in rows] == [spec.dirname for spec in STEPS]
+        assert all(row["time"].endswith((" s", " min")) and row["size"].endswith(("B", "KB", "MB")) for row in rows)
         assert shown["compare-loss-plot"].type == "image"
         assert shown["compare-loss-plot"].data == f"{stack['report_url']}{run_id}/06-compare/loss.png"
         assert report_link in shown["compare-report-link"].data
@@ -155,7 +211,7 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
     # overhead: from the child's creation to its end, less the step's own committed work (manifest seconds);
     # queued: creation to Running (worker poll, process start, imports, flow load)
     steady = {k: v for k, v in overheads.items() if k != "pynative-train"}
-    report = {"dag_wall_s": round(wall, 1), "overhead_per_step_s": {k: round(v, 2) for k, v in overheads.items()},
+    report = {"dag_wall_s": round(wall, 1), "dead_machine_detected_s": round(detected_s, 1), "overhead_per_step_s": {k: round(v, 2) for k, v in overheads.items()},
               "queued_per_step_s": {k: round(v, 2) for k, v in queued.items()},
               "mean_overhead_s": round(sum(steady.values()) / len(steady), 2)}
     (stack["root"] / "timings.json").write_text(json.dumps(report, indent=2))
@@ -208,8 +264,17 @@ def test_artifacts_and_report_open_in_a_browser(stack, prefect_client_settings):
     page = _browse(f"{stack['ui_url']}/artifacts/artifact/{artifacts['compare-report-link'].id}",
                    stack["root"] / "link-artifact.png")
     assert f'href="{report}"' in page, page[-3000:]
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("alignment/dense-tiny")
+    form = _browse(f"{stack['ui_url']}/deployments/deployment/{deployment.id}/run", stack["root"] / "form.png",
+                   screenshot=True)
+    for shown in ("MODEL-YYYYMMDD-HHMMSS-XXXX", "one KEY=VALUE per item", "qwen35_moe_tiny) or"):
+        assert shown in form, f"the run form shows {shown!r} as written"
+    assert "str | str" not in form
     page = _browse(report, stack["root"] / "report.png", screenshot=True)
     assert "class=\"verdict\">PASS<" in page, page[:2000]
+    assert f"<h1>run {run_id}</h1>" in page, "the report names its run"
+    assert f'href="{stack["ui_url"]}/runs/flow-run/{parent.id}"' in page, "and links back to it in Prefect"
     assert (stack["root"] / "report.png").stat().st_size > 0
 
 
@@ -292,15 +357,27 @@ def test_flow_parameters_are_validated_like_set(stack, prefect_client_settings):
     fails before any step, naming the key or the file."""
     from prefect.deployments import run_deployment
 
+    import re
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
+
+    # typed in the form's list with quotes, which the list keeps; no run_id: a new run's id is made
     bad_key = run_deployment("alignment/dense-tiny", timeout=DAG_TIMEOUT_S, poll_interval=1, parameters={
-        "run_id": "bad-key", "overrides": ["training.trian_iters=3"], "store": str(stack["store"])})
+        "overrides": ['"training.trian_iters=3"'], "store": str(stack["store"])})
     assert bad_key.state.is_failed() and "training.trian_iters: unknown field" in bad_key.state.message
+    assert "overrides" in bad_key.state.message and "--set" not in bad_key.state.message, bad_key.state.message
+    assert re.fullmatch(r"qwen35_dense_tiny-\d{8}-\d{6}-[0-9a-f]{4}", bad_key.name), bad_key.name
+    with get_client(sync_client=True) as client:
+        errors = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[bad_key.id]),
+                                                       level=LogFilterLevel(ge_=40)))
+    assert not errors, [e.message[:200] for e in errors]
     not_a_config = stack["root"] / "not-a-config.yaml"
     not_a_config.write_text("model: {name: x}\n")
     bad_file = run_deployment("alignment/dense-tiny", timeout=DAG_TIMEOUT_S, poll_interval=1, parameters={
         "config": str(not_a_config), "run_id": "bad-file", "store": str(stack["store"])})
     assert bad_file.state.is_failed() and f"{not_a_config}: invalid config" in bad_file.state.message
-    assert not (stack["store"] / "bad-key").exists() and not (stack["store"] / "bad-file").exists()
+    assert not (stack["store"] / bad_key.name).exists() and not (stack["store"] / "bad-file").exists()
 
 
 class _Hook(BaseHTTPRequestHandler):
@@ -318,7 +395,8 @@ class _Hook(BaseHTTPRequestHandler):
 
 def test_automations_are_created_and_the_nightly_failure_alert_fires(stack, prefect_client_settings):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId,
+                                                LogFilterLevel)
     from prefect.deployments import run_deployment
 
     port = free_port()
@@ -363,6 +441,10 @@ def test_automations_are_created_and_the_nightly_failure_alert_fires(stack, pref
             "floor": 1e-12})
         assert failed.state.is_failed(), failed.state
         assert "qwen35_dense_tiny: lm_loss" in (failed.state.message or "")
+        with get_client(sync_client=True) as client:  # a regression is an outcome, not a crash of the flow
+            errors = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[failed.id]),
+                                                           level=LogFilterLevel(ge_=40)))
+        assert not errors, [e.message[:200] for e in errors]
         entries = json.loads(history.read_text())
         assert [(e["date"], e["verdict"]) for e in entries] == [("2026-11-01", "pass"), (night, "pass")]
         assert (history.parent / "trend.png").read_bytes()[:4] == b"\x89PNG"

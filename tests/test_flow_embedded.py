@@ -147,7 +147,12 @@ def test_failed_verdict_exits_1_without_retry_and_reruns_only_compare(embedded, 
         flow_runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter())
                      if r.parameters.get("run_id") == "k1" and r.parameters.get("rerun") == ["compare"]]
         assert len(flow_runs) == 1 and flow_runs[0].state.is_failed()
-        assert "verdict fail" in flow_runs[0].state.message
+        assert "verdict fail" in flow_runs[0].state.message and "lm_loss: step-1 rel err" in flow_runs[0].state.message
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
+
+        errors = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_runs[0].id]),
+                                                       level=LogFilterLevel(ge_=40)))
+        assert not errors, "a failed verdict is an outcome, not an error: " + "; ".join(e.message[:200] for e in errors)
         tasks = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(
             any_=[flow_runs[0].id])))
         assert {t.name for t in tasks} >= {"prepare-run", "preflight", *STEP_NAMES}
