@@ -272,3 +272,36 @@ def test_several_cards_use_msrun(tmp_path: Path, checkout: Path):
     for needle in ("-m mindspore.parallel.cluster.run", "--worker_num=4", "--local_worker_num=4", "--join=True",
                    "--tail_worker_log=3", f"--log_dir={request.output_dir / 'msrun_log'}"):
         assert needle in script, needle
+
+
+def test_a_nan_loss_is_named_with_its_step_not_taken_for_a_missing_one(tmp_path: Path):
+    lines = step_lines(4)
+    lines[2] = lines[2].replace("mtp_1_loss:  12.360000", "mtp_1_loss:        nan").replace(
+        "load_balancing_loss:   1.012300", "load_balancing_loss:        nan")
+    log = tmp_path / "nan.log"
+    log.write_text("\n".join(lines) + "\n")
+    with pytest.raises(BackendRunError, match=r"nan.log: mtp_1_loss is NaN at step 3 \(the MTP loss diverged; NaN at "
+                                              r"step\(s\) 3 of 4\)"):
+        verify_mindformers_log(log, steps=4, loaded=False, exit_status=0, mtp=True, moe=True)
+    with pytest.raises(BackendRunError, match=r"load_balancing_loss is NaN at step 3"):
+        verify_mindformers_log(log, steps=4, loaded=False, exit_status=0, mtp=False, moe=True)
+    lines[1] = lines[1].replace("loss:  11.912346", "loss:        nan")
+    log.write_text("\n".join(lines) + "\n")
+    with pytest.raises(BackendRunError, match=r"loss is NaN at step 2 \(the LM loss diverged"):
+        verify_mindformers_log(log, steps=4, loaded=False, exit_status=0, mtp=True, moe=True)
+
+
+def test_releases_before_2_0_0_are_refused_and_2_0_0_is_taken():
+    for version in ("2.0.0", "2.1.0"):
+        mindformers_yaml(load_config("qwen35_moe_tiny", [f"training.mindformers_version={version}"]), mode="align",
+                         data_prefix="/d/p", load_dir="/c")
+    with pytest.raises(BackendSetupError, match=r"mindformers_version: MindFormers r1.9.0: releases before 2.0.0"):
+        mindformers_yaml(load_config("qwen35_moe_tiny", ["training.mindformers_version=r1.9.0"]), mode="align",
+                         data_prefix="/d/p", load_dir="/c")
+
+
+def test_moe_yaml_builds_the_shared_expert_with_silu():
+    model = mindformers_yaml(load_config("qwen35_moe_tiny"), mode="align", data_prefix="/d/p", load_dir="/c")["model"]
+    assert model["hidden_act"] == "silu" and model["gated_linear_unit"] is True
+    assert model["shared_expert_num"] == 1
+    assert expected_transformer_config(load_config("qwen35_moe_tiny"))["shared_expert_num"] == 1

@@ -146,3 +146,55 @@ def test_release_branch_lines_without_consumed_samples(tmp_path):
     assert df.attrs["format"] == "mindformers-pynative" and df["step"].tolist() == [1, 2, 3]
     np.testing.assert_allclose(df[["lm_loss", "aux_loss", "mtp_1_loss"]].to_numpy(),
                                np.array([LM[:3], AUX[:3], MTP[:3]]).T, atol=1e-6)
+
+
+def _pynative_log(tmp_path: Path, name: str, mtp: list[float], lr: list[float], extra: dict[int, str] | None = None,
+                  nan_at: int | None = None) -> Path:
+    lines = []
+    for k in range(1, len(mtp) + 1):
+        lines += (extra or {}).get(k, "").splitlines()
+        lines.append(mindformers_prefix(MINDFORMERS_PYNATIVE_SOURCE) + pynative_line(
+            k, len(mtp), consumed_samples=8 * k, global_batch_size=8, loss=LM[k - 1], per_step_time_ms=10,
+            lr=lr[k - 1], grad_norm=float("nan") if k == nan_at else 2.0, load_balancing_loss=AUX[k - 1],
+            mtp_losses=(mtp[k - 1],)))
+    return write_log(tmp_path / name, lines)
+
+
+def test_mtp_loss_is_read_by_the_release_rule(tmp_path):
+    """r2.0.0 prints mtp_1_loss multiplied by mtp_loss_scaling_factor / mtp_num_layers, 2.1.0 unscaled: given the
+    release and the factor (0.3, one MTP layer) both frames hold the plain cross entropy."""
+    scaled = _pynative_log(tmp_path, "r200.log", [0.3 * x for x in MTP[:4]], WARMUP[1:5])
+    plain = _pynative_log(tmp_path, "r210.log", MTP[:4], WARMUP[1:5])
+    r200 = parse_mindformers_log(scaled, mtp_loss_scaling_factor=0.3, mindformers_version="2.0.0")
+    r210 = parse_mindformers_log(plain, mtp_loss_scaling_factor=0.3, mindformers_version="2.1.0")
+    np.testing.assert_allclose(r200["mtp_1_loss"], MTP[:4], atol=1e-5)
+    np.testing.assert_allclose(r210["mtp_1_loss"], MTP[:4], atol=1e-6)
+    assert any("divided by 0.3" in note for note in r200.attrs["notes"])
+    assert not any("divided by" in note for note in r210.attrs["notes"])
+    unknown = parse_mindformers_log(scaled, mindformers_version="2.0.0")  # no factor: cannot be compared
+    assert "mtp_1_loss" in unknown.attrs["unusable"]
+    with pytest.raises(ValueError, match="releases before 2.0.0"):
+        parse_mindformers_log(plain, mindformers_version="1.9.0")
+
+
+def test_skipped_nan_steps_shift_the_applied_lr(tmp_path):
+    """[SkipStepOnNaN] (2.1.0 pynative/trainer/trainer.py:1966): the skipped steps leave the optimizer's lr behind."""
+    warning = ("2026-11-29 15:28:32,602 - mindformers/out/log[mindformers/pynative/trainer/trainer.py:1966] - WARNING - "
+               "[SkipStepOnNaN] Global gradient norm is nan at step {k}, skipping the optimizer update "
+               "(consecutive skipped: 1, total skipped: {n}).")
+    lr = [1e-4 * k for k in range(1, 7)]  # printed at step k: the schedule at k
+    log = _pynative_log(tmp_path, "skip.log", MTP[:6], lr, extra={2: warning.format(k=2, n=1), 4: warning.format(k=4, n=2)})
+    df = parse_mindformers_log(log)
+    assert df.attrs["skipped_steps"] == [2, 4]
+    # row s: the lr applied at s + 1 = the schedule at the updates done before it: s - (skipped <= s)
+    expected = [math.nan, 1e-4, math.nan, 2e-4, 3e-4, 4e-4]
+    np.testing.assert_allclose(df["lr"], expected, rtol=1e-6)
+    assert any("[SkipStepOnNaN]" in note for note in df.attrs["notes"])
+    np.testing.assert_allclose(parse_mindformers_log(_pynative_log(tmp_path, "plain.log", MTP[:6], lr))["lr"], lr)
+
+
+def test_a_printed_nan_is_told_from_a_value_not_printed(tmp_path):
+    log = _pynative_log(tmp_path, "nan.log", MTP[:2] + [math.nan] + MTP[3:4], WARMUP[1:5], nan_at=3)
+    df = parse_mindformers_log(log)
+    assert df.attrs["printed_nan"]["mtp_1_loss"] == [3] and df.attrs["printed_nan"]["grad_norm"] == [3]
+    assert df.attrs["printed_nan"]["lm_loss"] == []
