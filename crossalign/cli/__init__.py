@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from crossalign.cli import backends, checkpoint, compare, data, diagnose, models, orchestration
+from crossalign.cli import backends, checkpoint, compare, data, diagnose, models, orchestration, rehearse
 
 app = typer.Typer(
     name="crossalign",
@@ -18,7 +18,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
-for area in (orchestration, checkpoint, models, data, compare, backends, diagnose):
+for area in (orchestration, checkpoint, models, data, compare, backends, diagnose, rehearse):
     area.register(app)
 
 

@@ -115,3 +115,22 @@ def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Pat
 
 def describe_command(script: RunScript) -> str:
     return " ".join(map(shlex.quote, map(str, script.command)))
+
+
+def embedded_losses(run: Run) -> dict[int, dict[str, float]] | None:
+    """The losses of the run's own megatron-train step where the embedded megatron-core trained it, else None."""
+    manifest = run.manifest("megatron-train") or {}
+    details = manifest.get("details", manifest)
+    if details.get("backend") != "local-megatron":
+        return None
+    log = run.step_dir("megatron-train") / "train.log"
+    return logged_losses(log) if log.exists() else None
+
+
+def max_abs_diff(ours: dict[int, dict[str, float]], theirs: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Per loss name, the largest |difference| over the iterations both logged (printed values, %.6E)."""
+    out: dict[str, float] = {}
+    for iteration in sorted(set(ours) & set(theirs)):
+        for name in set(ours[iteration]) & set(theirs[iteration]):
+            out[name] = max(out.get(name, 0.0), abs(ours[iteration][name] - theirs[iteration][name]))
+    return out
