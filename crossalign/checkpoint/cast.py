@@ -6,7 +6,9 @@ metadata, floating weights cast to bf16 and the others unchanged, and every othe
 the folder (common.json) copied as is. What is not a weight is carried over unchanged, as the
 training run that loads the cast expects it: the optimizer files (fp32 Adam moments and the
 step count, for a resume) are copied, and buffers (``mlp.tokens_per_expert``, token counts
-kept in fp32) keep their dtype. Ranks' files stay as they are and metadata.json is copied
+kept in fp32) keep their dtype. A weight that MindFormers 2.1.0 keeps in bf16 beside an fp32 master
+(``main_param.*`` in the optimizer file, see ``mindformers.py``) is already the master rounded to bf16:
+casting the model file's copy gives the same bf16 tensor as casting the master. Ranks' files stay as they are and metadata.json is copied
 with the dtype of each cast tensor updated, so MindFormers reads the slices right.
 The cast streams: each output file's header is written from the input header, then each
 tensor is read, cast, written and dropped, in row blocks, so memory holds at most one block (``BLOCK_BYTES``) at a time

@@ -19,6 +19,15 @@ Besides weights, a checkpoint holds optimizer state (``adam_m.*``, ``adam_v.*``,
 ``mlp.tokens_per_expert``, the tokens routed to each expert so far, as a non-trainable
 Parameter, so every MoE layer (the MTP layer's too) saves it (mindformers 2.1.0,
 ``pynative/transformers/moe/moe_layer.py:84``).
+
+Which copy is the weight: from 2.1.0, ``params_dtype: float32`` is partly ignored. The pynative
+``Linear`` of the MLPs and the output layer and ``eh_proj``, and ``GroupedMLP``'s experts, are
+created in the compute dtype (bf16), so a real save holds those weights in bf16 in the model file,
+and their fp32 masters, ``main_param.<name>``, in the ``-opt-`` file (``pynative/optimizer/adamw.py:236``;
+seen in a real 2.1.0 save, ``tests/test_mindformers_upstream.py``). The model file's copy is the
+master rounded to bf16 after each update. So the weight of such a tensor is read from its master
+when the checkpoint has one (``tensor``, ``model_entries``); the bf16 copy is what the model
+computed with.
 """
 
 from __future__ import annotations
@@ -54,7 +63,8 @@ SAFETENSORS_METADATA = {"format": "ms"}
 DEFAULT_PREFIX = "qwen35"
 _ITERATION_DIR = re.compile(r"iteration_(\d{8})")
 # Optimizer entries may share a file with the model when a bare folder holds one combined file.
-_OPTIMIZER_PREFIXES = ("adam_m.", "adam_v.", "main_param.")
+MASTER_PREFIX = "main_param."  # the optimizer's fp32 master of a low-precision weight (see the module docstring)
+_OPTIMIZER_PREFIXES = ("adam_m.", "adam_v.", MASTER_PREFIX)
 _OPTIMIZER_NAMES = ("learning_rate", "global_step")
 # Non-trainable state that MindFormers' model saves beside its weights (see the module docstring).
 BUFFER_SUFFIXES = ("mlp.tokens_per_expert",)
@@ -126,10 +136,14 @@ class MindFormersCheckpoint:
     def _is_optimizer(self, name: str) -> bool:
         return is_optimizer_entry(self.pieces[name][0].file, name)
 
+    def master(self, name: str) -> str:
+        """The entry that holds weight ``name``: its fp32 master ``main_param.<name>`` when saved, else itself."""
+        return MASTER_PREFIX + name if MASTER_PREFIX + name in self.entries else name
+
     def model_entries(self) -> dict[str, TensorInfo]:
-        """The model's weights: neither optimizer state nor buffers."""
-        return {name: info for name, info in self.entries.items()
-                if not self._is_optimizer(name) and not is_buffer(name)}
+        """The model's weights (neither optimizer state nor buffers), each as its master holds it."""
+        return {name: TensorInfo(name, self.entries[self.master(name)].dtype, info.shape)
+                for name, info in self.entries.items() if not self._is_optimizer(name) and not is_buffer(name)}
 
     def buffer_entries(self) -> dict[str, TensorInfo]:
         return {name: info for name, info in self.entries.items() if not self._is_optimizer(name) and is_buffer(name)}
@@ -141,10 +155,13 @@ class MindFormersCheckpoint:
                buffer: ReusedBuffer | None = None) -> torch.Tensor:
         """One whole tensor (stitched from its slices); a floating one is converted to ``floating_dtype`` when given.
 
-        It is read into ``buffer`` when given, and valid only until the buffer is used again.
+        A model weight with an fp32 master is read from the master. It is read into ``buffer`` when
+        given, and valid only until the buffer is used again.
         """
         if name not in self.entries:
             raise CheckpointError(f"{self.directory}: no tensor {name!r}")
+        if not self._is_optimizer(name):
+            name = self.master(name)
         info, pieces = self.entries[name], self.pieces[name]
         dtype = floating_dtype if floating_dtype is not None and info.dtype in FLOATING else None
         if len(pieces) == 1 and pieces[0].info.shape == info.shape:
