@@ -1,0 +1,134 @@
+"""The gpu rehearsal: a run's megatron-train launch through Megatron-LM's own pretrain() on CPU.
+
+Needs a Megatron-LM checkout (MEGATRON_LM_PATH, e.g. a clone at tag core_v0.16.1 kept outside the
+repository); without one these tests skip, saying so. The stand-ins themselves (argument changes,
+self-test) are tested without it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from crossalign.backends.local import mcore_cpu
+from crossalign.checkpoint.digest import LoadDigestError
+from crossalign.rehearsal import megatron_cpu
+from crossalign.store import RunStore
+
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
+needs_checkout = pytest.mark.skipif(not CHECKOUT, reason="MEGATRON_LM_PATH is not set (a Megatron-LM checkout, "
+                                                          "e.g. tag core_v0.16.1, kept outside the repository)")
+STEPS = ("base-train", "cast-bf16", "convert", "megatron-train")
+# one unit in the last printed digit of %.6E at ~6: the float sums of two runs may round the other way
+PRINT_PRECISION = 1.5e-6
+
+
+def test_the_cpu_arguments_replace_what_a_cpu_cannot_honour():
+    generated = ["--transformer-impl", "transformer_engine", "--moe-grouped-gemm", "--moe-token-dispatcher-type",
+                 "alltoall", "--bf16", "--seed", "1234"]
+    args, changes = megatron_cpu.cpu_arguments(generated, fp32=True)
+    assert args[:6] == ["--transformer-impl", "local", "--moe-token-dispatcher-type", "allgather", "--seed", "1234"]
+    assert "--bf16" not in args and "--moe-grouped-gemm" not in args
+    assert args[args.index("--distributed-backend") + 1] == "gloo"
+    assert {c.flag for c in changes} >= {"--transformer-impl", "--moe-grouped-gemm", "--bf16", "--distributed-backend"}
+    assert all(c.reason for c in changes)
+    kept, _ = megatron_cpu.cpu_arguments(generated, fp32=False)
+    assert "--bf16" in kept
+
+
+def test_every_runtime_stand_in_is_listed_with_its_reason():
+    listed = dict(megatron_cpu.workarounds())
+    for workaround in (*mcore_cpu.WORKAROUNDS, *megatron_cpu.TRAINING_WORKAROUNDS):
+        assert listed[workaround.name] == workaround.reason
+
+
+SELF_TEST = """
+from crossalign.rehearsal import megatron_cpu
+megatron_cpu.self_test()
+megatron_cpu.TRAINING_WORKAROUNDS = (Workaround("megatron.legacy.fused_kernels", "load", "for the test",
+                                                lambda: None, "no such upstream line"),)
+try:
+    megatron_cpu.self_test()
+except MegatronCpuError as exc:
+    print(exc)
+"""
+
+
+@needs_checkout
+@pytest.mark.timeout(300)
+def test_self_test_passes_on_the_checkout_and_names_a_moved_workaround():
+    """In its own process, with the checkout first on PYTHONPATH as the run script puts it."""
+    done = subprocess.run([sys.executable, "-c", SELF_TEST], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": CHECKOUT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "megatron.legacy.fused_kernels.load: 'no such upstream line' is no longer in" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> RunStore:
+    return RunStore(tmp_path_factory.mktemp("store"))
+
+
+def embedded_run(store: RunStore, config: str, run_id: str):
+    """A run whose steps 1-4 ran embedded: its converted checkpoint, dataset and megatron-core losses."""
+    from crossalign.tasks.prepare import prepare_run
+
+    run = prepare_run(store, config, run_id=run_id, overrides=["training.train_iters=5", "training.lr_warmup_iters=2",
+                                                                "training.base_train_iters=3"])
+    for step in STEPS:
+        subprocess.run([sys.executable, "-m", "crossalign.tasks", "--store", str(store.root), "--run", run_id,
+                        "--step", step, "--embedded"], check=True, capture_output=True, timeout=900)
+    return run
+
+
+@needs_checkout
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("config", ["qwen35_dense_tiny", "qwen35_moe_tiny"])
+def test_rehearsal_trains_five_iterations_as_the_embedded_run_does(store: RunStore, config: str, tmp_path: Path):
+    from crossalign.rehearsal.gpu import embedded_losses, max_abs_diff, rehearse_gpu
+
+    run = embedded_run(store, config, config.replace("_", "-"))
+    result = rehearse_gpu(run, Path(CHECKOUT), tmp_path / "gpu")
+    assert sorted(result.losses) == [1, 2, 3, 4, 5]
+    assert result.digest_tensors > 0
+    names = {"lm_loss", "mtp_1_loss"} | ({"aux_loss"} if "moe" in config else set())
+    assert set(result.losses[1]) == names
+    embedded = embedded_losses(run)
+    assert embedded is not None and sorted(embedded) == [1, 2, 3, 4, 5]
+    diffs = max_abs_diff(result.losses, embedded)
+    assert set(diffs) == names and max(diffs.values()) <= PRINT_PRECISION, diffs
+    # the step's own launch, unchanged but for the listed argument changes: its script is next to ours
+    assert (tmp_path / "gpu" / "run_megatron.sh").exists()
+    args = (tmp_path / "gpu" / "megatron_args.txt").read_text().split()
+    assert args[args.index("--data-cache-path") + 1] == str(tmp_path / "gpu" / "data_cache")
+    assert any((tmp_path / "gpu" / "data_cache").rglob("*-document_index.npy"))
+    assert not (Path(run.dataset.prefix).parent / "cache").exists()  # nothing written into the shared dataset
+
+
+@needs_checkout
+@pytest.mark.timeout(1800)
+def test_a_renamed_and_a_missing_expert_tensor_fail_the_rehearsal_naming_both(store: RunStore, tmp_path: Path):
+    """Megatron itself prints 'load_return: None' and 'successfully loaded checkpoint' and trains on."""
+    from crossalign.checkpoint.megatron import read_megatron_checkpoint, write_megatron_checkpoint
+    from crossalign.rehearsal.gpu import rehearse_gpu
+
+    run = embedded_run(store, "qwen35_moe_tiny", "qwen35-moe-tiny")
+    converted = read_megatron_checkpoint(run.step_dir("convert") / "checkpoint")
+    state = dict(converted.state)
+    renamed, missing = "decoder.layers.1.mlp.experts.linear_fc1.weight2", "decoder.layers.3.mlp.experts.linear_fc2.weight0"
+    state[renamed + "_renamed"] = state.pop(renamed)
+    del state[missing]
+    write_megatron_checkpoint(tmp_path / "faulty", converted.iteration, state)
+    with pytest.raises(LoadDigestError) as caught:
+        rehearse_gpu(run, Path(CHECKOUT), tmp_path / "gpu", init_checkpoint=tmp_path / "faulty")
+    message = str(caught.value)
+    assert f"left at its initial value: {renamed}, {missing}" in message
+    assert f"never loaded (extra or renamed): {renamed}_renamed" in message
+    log = (tmp_path / "gpu" / "train.log").read_text().splitlines()
+    # what core_v0.16.1 prints after the failed strict load (the fixture logs carry this exact line)
+    at = log.index("load_return: None")
+    assert any("successfully loaded checkpoint" in line for line in log[at:at + 5])
