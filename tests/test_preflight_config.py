@@ -197,3 +197,54 @@ def test_cli(tmp_path: Path):
     assert result.exit_code == 1
     assert "2 mismatch(es)" in result.output and "seed (sample order)" in result.output
     assert "norm_topk_prob" in result.output.split("mismatch(es):")[1]
+
+
+# ---- parallel layouts ------------------------------------------------------------------------------
+
+REAL_LAYOUT = ["parallel.megatron.tensor=2", "parallel.megatron.pipeline=2", "parallel.megatron.expert=4",
+               "parallel.megatron.sequence_parallel=true", "parallel.megatron.cards_per_node=8",
+               "parallel.megatron.nodes=2", "parallel.mindformers.tensor=4", "parallel.mindformers.pipeline=2",
+               "parallel.mindformers.expert=2", "parallel.mindformers.sequence_parallel=true",
+               "parallel.mindformers.cards_per_node=16", "training.global_batch_size=16"]
+
+
+def test_generated_launches_of_a_real_layout_are_read_back_and_the_layout_difference_is_reported():
+    """Megatron TP 2 PP 2 EP 4 on 2 nodes x 8 GPUs against MindFormers TP 4 PP 2 EP 2 on 16 cards."""
+    config = load_config("qwen35_moe", REAL_LAYOUT)
+    args = megatron_args(config, data_prefix=PREFIX, tokenizer=None, load_dir="/ckpt")
+    for flag, value in (("--tensor-model-parallel-size", "2"), ("--pipeline-model-parallel-size", "2"),
+                        ("--expert-model-parallel-size", "4"), ("--expert-tensor-parallel-size", "2")):
+        assert args[args.index(flag) + 1] == value, flag
+    assert "--sequence-parallel" in args and "--context-parallel-size" not in args
+    y = mindformers_yaml(config, mode="align", data_prefix=PREFIX, load_dir="/ckpt")
+    assert {key: y["parallelism"][key] for key in ("tensor_parallel", "pipeline_parallel", "expert_parallel",
+                                                   "sequence_parallel")} == {
+        "tensor_parallel": 4, "pipeline_parallel": 2, "expert_parallel": 2, "sequence_parallel": True}
+
+    report = preflight_config(config)
+    assert report.ok, report.mismatches
+    rows = {row.name: row for row in report.rows}
+    assert (rows["layout: tensor"].megatron, rows["layout: tensor"].mindformers) == ("2", "4")
+    assert "layouts differ: expected" in rows["layout: tensor"].note and rows["layout: pipeline"].note == ""
+    assert (rows["layout: expert"].megatron, rows["layout: expert"].mindformers) == ("4", "2")
+    assert rows["layout: cards"].megatron == rows["layout: cards"].mindformers == "16"
+    assert rows["global batch splits over data-parallel ranks"].megatron == "yes (4 data-parallel ranks)"
+    assert rows["global batch splits over data-parallel ranks"].mindformers == "yes (2 data-parallel ranks)"
+
+
+def test_a_layout_that_changes_the_batch_is_named():
+    """A hand-edited YAML whose layout leaves 16 cards in 6 model-parallel groups trains another batch."""
+    config = load_config("qwen35_moe", REAL_LAYOUT)
+    y = mindformers_yaml(config, mode="align", data_prefix=PREFIX, load_dir="/ckpt")
+    y["parallelism"]["tensor_parallel"] = 3
+    report = preflight_config(config, mindformers_yaml=y)
+    assert report.mismatches == ["global batch splits over data-parallel ranks"]
+    row = {row.name: row for row in report.rows}["global batch splits over data-parallel ranks"]
+    assert row.mindformers.startswith("no: 16 cards over TP x PP x CP = 6")
+
+
+def test_preflight_cli_takes_layout_overrides():
+    result = CliRunner().invoke(app, ["preflight", "config", "--model", "qwen35_moe",
+                                      *[part for setting in REAL_LAYOUT for part in ("--set", setting)]])
+    assert result.exit_code == 0, result.output
+    assert "layout: expert" in result.output and "same settings" in result.output

@@ -176,11 +176,31 @@ def mindformers_lr(step: int, *, scheduler: str, lr: float, init: float, warmup:
 # ---- reading Megatron arguments --------------------------------------------------------------------
 
 
-def read_megatron_args(args: Sequence[str], core_version: str) -> dict[str, Reading]:
+LAYOUT = "layout: "  # rows of the parallel layout: the sides may differ, the loss must not
+
+
+def _layout_rows(r: dict[str, Reading], sizes: Mapping[str, Reading], world: int | None, gbs: int | None,
+                 mbs: int | None) -> None:
+    """The layout readings, and whether the global batch splits into whole micro batches on every data-parallel
+    rank (that one changes the numbers: a side that cannot split it does not train the same batch)."""
+    r.update({LAYOUT + name: reading for name, reading in sizes.items()})
+    if world is None:
+        r[LAYOUT + "cards"] = Reading(None, "from the launcher", "")
+        return
+    r[LAYOUT + "cards"] = _reading(world, "launch")
+    model_parallel = math.prod(int(sizes[name].value) for name in ("tensor", "pipeline", "context"))
+    splits = bool(gbs and mbs and world % model_parallel == 0 and gbs % (mbs * (world // model_parallel)) == 0)
+    shown = (f"yes ({world // model_parallel} data-parallel ranks)" if splits else
+             f"no: {world} cards over TP x PP x CP = {model_parallel}, global batch {gbs}, micro batch {mbs}")
+    r["global batch splits over data-parallel ranks"] = Reading(True if splits else shown, shown, "layout")
+
+
+def read_megatron_args(args: Sequence[str], core_version: str, world_size: int | None = None) -> dict[str, Reading]:
     """Every number-changing setting as Megatron (core 0.16 defaults) will run it.
 
     ``core_version`` is the megatron-core the arguments are for: it decides how many vocab rows a
-    NullTokenizer's ``--vocab-size`` gives (see :func:`null_tokenizer_vocab_size`).
+    NullTokenizer's ``--vocab-size`` gives (see :func:`null_tokenizer_vocab_size`). ``world_size``:
+    the GPUs torchrun starts (--nnodes x --nproc-per-node), when known.
     """
     a = parse_megatron_args(args)
 
@@ -310,13 +330,21 @@ def read_megatron_args(args: Sequence[str], core_version: str) -> dict[str, Read
     r["MTP loss scaling"] = num("--mtp-loss-scaling-factor", 0.1)
     r["bf16"] = switch("--bf16")
     r["deterministic"] = switch("--deterministic-mode")
+    tensor = num("--tensor-model-parallel-size", 1, int)
+    sizes = {"tensor": tensor, "pipeline": num("--pipeline-model-parallel-size", 1, int),
+             "virtual pipeline layers": num("--num-layers-per-virtual-pipeline-stage", None, int),
+             "expert": num("--expert-model-parallel-size", 1, int),
+             # core_v0.16.1 megatron/training/arguments.py:410: unset means the tensor size
+             "expert tensor": num("--expert-tensor-parallel-size", tensor.value, int),
+             "context": num("--context-parallel-size", 1, int), "sequence parallel": switch("--sequence-parallel")}
+    _layout_rows(r, sizes, world_size, gbs, r["micro batch size"].value)
     return r
 
 
 # ---- reading MindFormers YAML --------------------------------------------------------------------------
 
 
-def read_mindformers_yaml(data: Mapping[str, Any]) -> dict[str, Reading]:
+def read_mindformers_yaml(data: Mapping[str, Any], world_size: int | None = None) -> dict[str, Reading]:
     """Every number-changing setting as MindFormers pynative will run it (TrainConfig defaults, key aliases).
 
     A ``model`` key counts only where MindFormers' ConfigConverter reads it: a ``TransformerConfig``
@@ -450,6 +478,15 @@ def read_mindformers_yaml(data: Mapping[str, Any]) -> dict[str, Reading]:
     r["bf16"] = _reading(str(model.get("compute_dtype", "")).lower() in ("bfloat16", "bf16"), "model.compute_dtype")
     r["deterministic"] = get(training, ["deterministic"], False, "training", bool)
     r["_recompute"] = _reading(section("recompute").get("mode", "None"), "recompute.mode")
+    parallelism = section("parallelism")
+    tensor = get(parallelism, ["tensor_parallel"], 1, "parallelism", int)
+    sizes = {"tensor": tensor, "pipeline": get(parallelism, ["pipeline_parallel"], 1, "parallelism", int),
+             "virtual pipeline layers": _reading(None, "default"),
+             "expert": get(parallelism, ["expert_parallel"], 1, "parallelism", int),
+             "expert tensor": _reading(tensor.value, "parallelism.tensor_parallel"),
+             "context": get(parallelism, ["context_parallel"], 1, "parallelism", int),
+             "sequence parallel": get(parallelism, ["sequence_parallel"], False, "parallelism", bool)}
+    _layout_rows(r, sizes, world_size, gbs, r["micro batch size"].value)
     return r
 
 
@@ -465,6 +502,11 @@ def compare_readings(megatron: Mapping[str, Reading], mindformers: Mapping[str, 
         mf = mindformers.get(name, Reading(None, "-"))
         if name == "vocab rows" and mg.value is None and mg.shown != UNSET:
             report.rows.append(PreflightRow(name, mg.shown, mf.shown, True, "not checked: a real tokenizer"))
+            continue
+        if name.startswith(LAYOUT):
+            same = mg.value == mf.value or _same(mg.value, mf.value)
+            report.rows.append(PreflightRow(name, mg.shown, mf.shown, True, "" if same else
+                                            "the sides' layouts differ: expected, the loss must not depend on it"))
             continue
         note = " / ".join(o for o in (mg.origin, mf.origin) if o == "default")
         report.rows.append(PreflightRow(name, mg.shown, mf.shown, _same(mg.value, mf.value),
@@ -504,4 +546,7 @@ def preflight_config(config: AlignmentConfig | None = None, megatron_args: Seque
                                          load_dir=Path("MINDFORMERS_CHECKPOINT"))
     core_version = (config.training.megatron_core_version if config is not None
                     else TrainingConfig.model_fields["megatron_core_version"].default)
-    return compare_readings(read_megatron_args(megatron_args, core_version), read_mindformers_yaml(mindformers_yaml))
+    worlds = ((config.parallel.megatron.world_size, config.parallel.mindformers.world_size) if config is not None
+              else (None, None))
+    return compare_readings(read_megatron_args(megatron_args, core_version, worlds[0]),
+                            read_mindformers_yaml(mindformers_yaml, worlds[1]))

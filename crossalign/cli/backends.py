@@ -111,6 +111,7 @@ def config(
                                                  "of the generated ones."),
     mindformers_yaml: Optional[Path] = typer.Option(None, "--mindformers-yaml", help="Your own MindFormers "
                                                     "pynative YAML instead of the generated one."),
+    overrides: list[str] = typer.Option([], "--set", help="override a config value: parallel.megatron.tensor=2"),
 ) -> None:
     """Read back every number-changing setting from both launch configurations; exit 1 naming each mismatch."""
     from rich.table import Table
@@ -121,7 +122,7 @@ def config(
     from crossalign.launch_files import PreflightInputError, load_megatron_args_file, load_mindformers_yaml_file
 
     with user_errors(ConfigError, PreflightInputError, BackendSetupError):
-        cfg = load_config(model)
+        cfg = load_config(model, overrides)
         report = preflight_config(
             cfg,
             megatron_args=load_megatron_args_file(megatron_args) if megatron_args else None,

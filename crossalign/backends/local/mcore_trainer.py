@@ -175,7 +175,9 @@ def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, r
     return IterationStats(losses=logged, learning_rate=optimizer.param_groups[0]["lr"], grad_norm=float(grad_norm))
 
 
-START_METHOD = "fork"
+# spawned, not forked: a fork copies the parent's threads' locks (MindSpore's, OpenMP's) mid-use, and a rank then
+# crashes; spawned ranks import megatron-core afresh (a few seconds each)
+START_METHOD = "spawn"
 
 
 def data_parallel_share(tokens: torch.Tensor, micro_batch_size: int, data_parallel: int,
@@ -310,7 +312,8 @@ def save_checkpoint(net, request: TrainRequest, iteration: int) -> Path:
 
     from crossalign.backends.local.mcore_model import Shard, stage_names
     from crossalign.checkpoint.atomic import save_iteration
-    from crossalign.checkpoint.megatron import CHECKPOINT_VERSION, MODEL_FILE, TRACKER, iteration_dir_name, rank_dir_name
+    from crossalign.checkpoint.megatron import (CHECKPOINT_VERSION, MODEL_FILE, TRACKER, iteration_dir_name,
+                                                rank_dir_name)
 
     config = request.config
     layout = config.parallel.megatron
