@@ -5,7 +5,8 @@ from __future__ import annotations
 from crossalign.flows.events import StepEvent
 
 COLUMNS = {"series": "series", "steps": "steps", "step1_rel_err": "step-1 rel err",
-           "mean_rel_err_so_far": "mean rel err so far", "comove_so_far": "co-movement so far", "comove_needed": "a pass needs", "nan": "NaN"}
+           "mean_rel_err_so_far": "mean rel err so far", "comove_so_far": "co-movement so far",
+           "comove_needed": "a pass needs", "nan": "NaN"}
 
 
 def alignment_line(event: StepEvent) -> str:

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from crossalign.flows.events import StepEvent, emit
-from crossalign.report.live import Decision, LiveComparison, Snapshot, current_log, titled
+from crossalign.report.live import Decision, LiveComparison, Snapshot, titled
 from crossalign.report.metrics import COMOVE_MIN_STEPS, MEAN_LIMIT, STEP1_LIMIT
 from crossalign.store import Run, step_spec, write_json_atomic
 from crossalign.tasks.errors import InfrastructureError, StepFailed
@@ -90,9 +90,15 @@ class LivePublisher:
         folder = live_dir(self.run)
         folder.mkdir(exist_ok=True)
         plot_path = folder / PLOT_FILE
-        plot_losses(titled(snapshot.summary, f"live, {snapshot.headline()}"), snapshot.merged, plot_path)
-        url = run_url(self.run, plot_path)
-        plot = f"![losses and relative errors so far]({url})" if url else f"plot: `{plot_path}`"
+        try:
+            plot_losses(titled(snapshot.summary, f"live, {snapshot.headline()}"), snapshot.merged, plot_path)
+            url = run_url(self.run, plot_path)
+            # the same address each time: the step makes the browser load the new plot rather than its copy
+            plot = f"![losses and relative errors so far]({url}?step={snapshot.compared})" if url \
+                else f"plot: `{plot_path}`"
+        except Exception as exc:  # the display must never fail the run
+            self.logger.warning(f"live alignment: plot not drawn: {type(exc).__name__}: {exc}")
+            plot = f"plot not drawn: {type(exc).__name__}: {exc}"
         rows = snapshot.rows()
         write_json_atomic(folder / SNAPSHOT_FILE, {
             "headline": snapshot.headline(), "total": snapshot.total, "logged": snapshot.logged,
@@ -169,8 +175,9 @@ def watch_training(run: Run, futures: dict[str, Any], *, mode: str, fail_fast: b
                 return decision
             if current.compared or any(_done(futures[step]) for step in STOPPABLE):
                 release(run)  # step 1 of both is in (or one side will log no more): let both go on
-            if snapshot is not None and (publisher.due(snapshot) or (finished and snapshot.compared)):
-                publisher.show(snapshot)
+            if (snapshot is not None and publisher.due(snapshot)) or \
+                    (finished and current.compared and publisher.shown_at != current.compared):
+                publisher.show(current)
             if finished:
                 return None
             time.sleep(poll_interval_s)
