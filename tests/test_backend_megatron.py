@@ -312,3 +312,21 @@ def test_relative_checkout_and_step_paths_are_made_absolute(tmp_path: Path, chec
     text = script.read_text()
     assert f"export PYTHONPATH={checkout}\n" in text and f"cd {checkout}\n" in text
     assert f"{tmp_path / request.output_dir / LAUNCHER.name}" in text
+
+
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("g++") is None, reason="needs make and g++")
+@pytest.mark.timeout(300)
+def test_dataset_helpers_that_do_not_build_are_named_before_a_run(tmp_path: Path, checkout: Path):
+    """Megatron builds its dataset helpers with make at start-up and exits 1 if it cannot (initialize.py:186-195):
+    the GPU probe and the run script try first, with the framework's interpreter."""
+    from crossalign.backends.megatron import dataset_helpers_problem
+
+    assert dataset_helpers_problem(checkout, sys.executable) is None  # nothing of Megatron's to build here
+    datasets = checkout / "megatron" / "core" / "datasets"
+    datasets.mkdir(parents=True)
+    (datasets / "helpers.cpp").write_text("this is not C++\n")
+    # the rule of core_v0.16.1's megatron/core/datasets/Makefile
+    (datasets / "Makefile").write_text("LIBNAME = helpers_cpp\n$(LIBNAME)$(LIBEXT): helpers.cpp\n"
+                                       "\t$(CXX) -shared -fPIC $(CPPFLAGS) $< -o $@\n")
+    problem = dataset_helpers_problem(checkout, sys.executable)
+    assert problem is not None and "dataset helpers do not build for" in problem and "helpers.cpp" in problem

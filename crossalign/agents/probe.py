@@ -195,7 +195,16 @@ def _pool_checks(pool: str, site: SiteConfig, apply_patches: bool) -> list[Check
     checkout = _checkout("Megatron-LM checkout", framework, "pretrain_gpt.py")
     return (_import_checks([("torch:cuda", "torch with CUDA", True), ("transformer_engine", "TransformerEngine", True),
                             ("fla", "flash-linear-attention", True)], framework.python) + [checkout]
-            + ([_megatron_python(framework)] + _patches("megatron", framework, apply_patches) if checkout.ok else []))
+            + ([_megatron_python(framework), _dataset_helpers(framework)] + _patches("megatron", framework, apply_patches)
+               if checkout.ok else []))
+
+
+def _dataset_helpers(framework: FrameworkSite) -> Check:
+    """Megatron compiles its dataset helpers at start-up with whatever python3 is on PATH: built, or buildable."""
+    from crossalign.backends.megatron import dataset_helpers_problem
+
+    problem = dataset_helpers_problem(Path(framework.path).expanduser(), framework.python)  # type: ignore[arg-type]
+    return Check("Megatron dataset helpers", problem is None, problem or f"built for {framework.python}")
 
 
 def _megatron_python(framework: FrameworkSite) -> Check:

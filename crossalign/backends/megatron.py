@@ -22,6 +22,7 @@ the run (:func:`verify_megatron_log`).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -448,6 +449,23 @@ if os.path.exists(os.path.join(folder, "helpers.cpp")) and loads() is not None:
         sys.exit(f"Megatron's dataset helpers do not build for {sys.executable} (make -C {folder}, needs make "
                  f"and g++): {why}; make said: {(done.stderr or done.stdout).strip()[-800:]}")
 """
+
+
+def dataset_helpers_problem(checkout: Path, python: str) -> str | None:
+    """Why Megatron's dataset helpers neither are nor can be built for ``python`` in ``checkout``; None when fine.
+
+    Runs :data:`DATASET_HELPERS_CHECK` as the run script runs it (the checkout first on PYTHONPATH,
+    the interpreter's folder first on PATH), so a probe finds before a run what the run would hit.
+    """
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    if "/" in python:
+        env["PATH"] = f"{Path(python).parent}{os.pathsep}{env.get('PATH', '')}"
+    try:
+        done = subprocess.run([python, "-c", DATASET_HELPERS_CHECK], cwd=checkout, env=env, capture_output=True,
+                              text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"megatron.python {python} cannot build the dataset helpers ({exc})"
+    return None if done.returncode == 0 else (done.stderr or done.stdout).strip()[-1500:]
 
 
 def entry_point(checkout: Path, version: tuple[int, ...]) -> Path:
