@@ -47,6 +47,7 @@ def test_every_runtime_stand_in_is_listed_with_its_reason():
 
 
 SELF_TEST = """
+from crossalign.backends.local.mcore_cpu import MegatronCpuError, Workaround
 from crossalign.rehearsal import megatron_cpu
 megatron_cpu.self_test()
 megatron_cpu.TRAINING_WORKAROUNDS = (Workaround("megatron.legacy.fused_kernels", "load", "for the test",
@@ -95,6 +96,7 @@ def test_rehearsal_trains_five_iterations_as_the_embedded_run_does(store: RunSto
     result = rehearse_gpu(run, Path(CHECKOUT), tmp_path / "gpu")
     assert sorted(result.losses) == [1, 2, 3, 4, 5]
     assert result.digest_tensors > 0
+    assert result.core_differences == []  # the checkout's megatron/core is the installed wheel's (core_v0.16.1)
     names = {"lm_loss", "mtp_1_loss"} | ({"aux_loss"} if "moe" in config else set())
     assert set(result.losses[1]) == names
     embedded = embedded_losses(run)

@@ -90,6 +90,12 @@ def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32:
     console.print(f"gpu: ran Megatron-LM {result.megatron_core} ({checkout}): torchrun, 1 process, "
                   f"patches/megatron/pretrain_qwen35.py -> pretrain_gpt.py -> pretrain(), gloo, on CPU; "
                   f"{len(result.losses)} iterations; load digest verified for {result.digest_tensors} tensors")
+    if result.core_differences:
+        console.print(f"[yellow]gpu: the checkout's megatron/core differs from the installed megatron-core in "
+                      f"{len(result.core_differences)} files[/] (e.g. {', '.join(result.core_differences[:5])}): the "
+                      "CPU workarounds and the embedded run are the installed one's")
+    else:
+        console.print("gpu: the checkout's megatron/core is the installed megatron-core (every .py file equal)")
     console.print("gpu: stood in for (generated arguments changed):")
     for change in result.argument_changes:
         console.print(f"  {change.flag} -> {' '.join(change.becomes) or '(dropped)'}: {change.reason}",

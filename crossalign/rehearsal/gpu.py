@@ -42,6 +42,7 @@ class GpuRehearsal:
     workarounds: list[tuple[str, str]]
     losses: dict[int, dict[str, float]] = field(default_factory=dict)
     digest_tensors: int = 0
+    core_differences: list[str] = field(default_factory=list)  # .py files unlike the installed megatron-core's
 
 
 def logged_losses(log: Path) -> dict[int, dict[str, float]]:
@@ -53,6 +54,24 @@ def logged_losses(log: Path) -> dict[int, dict[str, float]]:
             if parsed:
                 out[parsed[0]] = {k: v for k, v in parsed[2].items() if k.endswith("_loss")}
     return out
+
+
+def core_differences(checkout: Path) -> list[str]:
+    """The ``.py`` files of the checkout's ``megatron/core`` that differ from the installed megatron-core's.
+
+    The run script puts the checkout first on PYTHONPATH, so Megatron runs the checkout's own
+    megatron/core (it has the Makefile and helpers.cpp the wheel lacks); the CPU workarounds and
+    the embedded run are the installed wheel's: they must be the same code (core_v0.16.1 and the
+    0.16.1 wheel are).
+    """
+    import importlib.util
+
+    installed = Path(importlib.util.find_spec("megatron.core").submodule_search_locations[0])
+    ours = checkout / "megatron" / "core"
+    names = {p.relative_to(ours) for p in ours.rglob("*.py")} | {p.relative_to(installed) for p in installed.rglob("*.py")}
+    return sorted(str(name) for name in names
+                  if not (ours / name).exists() or not (installed / name).exists()
+                  or (ours / name).read_bytes() != (installed / name).read_bytes())
 
 
 def write_local_checkpoint(init: Path, folder: Path, run: Run) -> Path:
@@ -110,7 +129,8 @@ def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Pat
     return GpuRehearsal(folder=folder, log=log, checkout=checkout,
                         megatron_core=".".join(map(str, megatron_core_version(checkout) or ())),
                         argument_changes=changes, workarounds=megatron_cpu.workarounds(),
-                        losses=logged_losses(log), digest_tensors=tensors)
+                        losses=logged_losses(log), digest_tensors=tensors,
+                        core_differences=core_differences(checkout))
 
 
 def describe_command(script: RunScript) -> str:
