@@ -180,6 +180,35 @@ def skip_warnings(steps: list[int], log: Path) -> None:
         _unlog(handler)
 
 
+def save_task(path: str, save_dir: Path, log: Path) -> None:
+    """CheckpointCallback saving the built model and its pynative AdamW, as after training step 2 of 3."""
+    from mindformers.pynative.callback.checkpoint_callback import CheckpointCallback
+    from mindformers.pynative.optimizer.adamw import AdamW
+
+    net = build(yaml.safe_load(Path(path).read_text())["model"], log)
+    optimizer = AdamW(net.trainable_params(), learning_rate=1e-3)
+    callback = CheckpointCallback(save_path=str(save_dir), save_max=1, save_interleaved_steps=1, prefix="qwen35")
+    state = SimpleNamespace(global_step=2, max_steps=3, epoch=1, loss_scale=1.0, global_batch_size=4,
+                            consumed_samples=8)
+    callback.on_train_begin(None, state)
+    callback.on_step_end(None, state, model=net, optimizer=optimizer)
+
+
+def load_task(path: str, checkpoint: str, dump: Path, log: Path) -> None:
+    """MindFormers' load_checkpoint of a checkpoint into a freshly built model (weights only, as the align
+    run loads), then the model's parameters as MindSpore saves them."""
+    import mindspore as ms
+    from mindformers.checkpoint.checkpoint import load_checkpoint
+
+    net = build(yaml.safe_load(Path(path).read_text())["model"], log)
+    handler = _log_to(log)
+    try:
+        load_checkpoint(checkpoint, net)
+    finally:
+        _unlog(handler)
+    ms.save_checkpoint(net, str(dump), format="safetensors")
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(job["result"]).parent
@@ -194,6 +223,10 @@ def main() -> None:
                    workdir / "loss_lines.log")
     if "skip_steps" in job:
         skip_warnings(job["skip_steps"], workdir / "skip.log")
+    if "save" in job:
+        save_task(job["save"]["yaml"], Path(job["save"]["dir"]), workdir / "save.log")
+    if "load" in job:
+        load_task(job["load"]["yaml"], job["load"]["checkpoint"], Path(job["load"]["dump"]), workdir / "load.log")
     Path(job["result"]).write_text(json.dumps(result))
 
 

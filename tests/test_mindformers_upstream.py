@@ -13,11 +13,15 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from crossalign.backends.launch import BackendRunError, BackendSetupError
 from crossalign.backends.mindformers import mindformers_yaml, dump_yaml, verify_mindformers_log, \
     verify_transformer_config
 from crossalign.checkpoint.layout import mindformers_buffers, mindformers_shapes
+from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.checkpoint.safetensors_io import read_header
 from crossalign.config import load_config
 from crossalign.logs.mindformers import parse_mindformers_log
 from mindformers_upstream import RELEASES, run_driver
@@ -50,7 +54,8 @@ def release(request, tmp_path_factory):
            "loads": {f"{name}_base": generated(tmp, name, "base") for name in MODELS},
            "variants": {"swiglu": {"yaml": moe, "changes": {"hidden_act": "swiglu"}},
                         "no_shared_expert_num": {"yaml": moe, "changes": {"shared_expert_num": None}}},
-           "loss_lines": {"yaml": moe, "lr": LR, "steps": STEPS}}
+           "loss_lines": {"yaml": moe, "lr": LR, "steps": STEPS},
+           "save": {"yaml": moe, "dir": str(tmp / "saved")}}
     if version >= "2.1.0":
         job["skip_steps"] = SKIPPED
     result, _ = run_driver(version, job, tmp / "work")
@@ -171,3 +176,42 @@ def test_r190_rejects_the_generated_yaml_and_is_not_supported(tmp_path):
     config = load_config("qwen35_moe_tiny", ["training.mindformers_version=1.9.0"])
     with pytest.raises(BackendSetupError, match="training.mindformers_version: MindFormers 1.9.0: releases before 2.0.0"):
         mindformers_yaml(config, mode="align", data_prefix="/d", load_dir="/c")
+
+
+def test_checkpoint_callback_output_is_read_and_crossalign_output_loads(release, tmp_path):
+    """CheckpointCallback's save (model + pynative AdamW after step 2 of 3) read by crossalign; crossalign's
+    checkpoint, every value changed, loaded by MindFormers' load_checkpoint into a fresh model."""
+    version, result, work = release
+    saved = read_mindformers_checkpoint(work.parent / "saved")
+    built = result["models"]["qwen35_moe_tiny"]["parameters"]
+    common = default_common(2, global_batch_size=4, total_steps=3)
+    if version < "2.1.0":
+        del common["consumed_samples"]  # 2.0.0's CommonInfo has no such field
+    assert saved.iteration == 2 and saved.common == common
+    assert set(saved.model_entries()) | set(saved.buffer_entries()) == set(built)
+    assert set(saved.buffer_entries()) == set(mindformers_buffers(load_config("qwen35_moe_tiny").model))
+    masters = sorted(name for name in saved.optimizer_entries() if name.startswith("main_param."))
+    bf16 = sorted(f"main_param.{key}" for key, (_, dtype) in built.items() if dtype == "BFloat16")
+    assert masters == bf16 and (version < "2.1.0") == (not masters)  # 2.1.0: fp32 masters of its bf16 weights
+    for name, info in saved.model_entries().items():
+        assert info.dtype == "F32", name  # the weight is the master where there is one
+        assert saved.tensor(name).dtype == torch.float32
+
+    stored = {info.name: info for file in saved.model_files for info in read_header(file)[0]}
+    changed = {name: (saved.tensor(name) + 0.5).to(torch.bfloat16 if stored[name].dtype == "BF16" else torch.float32)
+               for name in saved.model_entries()}
+    changed.update(saved.buffer_state())
+    extra = "decoder.layers.0.mlp.not_in_the_model.weight"
+    root = tmp_path / "ours"
+    write_mindformers_checkpoint(root, 2, {**changed, extra: torch.ones(3)}, None, default_common(2, 4))
+    _, log = run_driver(version, {"load": {"yaml": str(work.parent / "qwen35_moe_tiny_align.yaml"),
+                                           "checkpoint": str(root), "dump": str(tmp_path / "loaded.safetensors")}},
+                        tmp_path / "work")
+    loaded = load_file(tmp_path / "loaded.safetensors")
+    assert set(loaded) == set(changed)
+    for name, tensor in changed.items():
+        assert torch.equal(loaded[name], tensor), name
+    # MindFormers loads the network's own names only and never names a tensor it left out
+    # (checkpoint/checkpoint.py: load_checkpoint's filter_func): the step's checks cannot rest on its messages
+    text = (tmp_path / "work" / "load.log").read_text()
+    assert "Loading Checkpoint Finished" in text and "not_in_the_model" not in text
