@@ -112,15 +112,15 @@ def _step2_spike(metrics: SeriesMetrics, merged: pd.DataFrame, frames: dict[str,
             "the applied lr and step 1's grad norm agree and both sides computed in fp32, where the first update "
             "has no bf16 rounding difference to amplify: step 1's update itself differs, ") + mismatch,
             metrics.name, 2)
-    norm_words = (f"step 1's grad norm agrees ({norms['gpu']:.4g}; above the clip, 1.0 in the source, it is scaled "
-                  "down, so the direction of the gradient, where bf16 differs, is what moves the weights)"
+    norm_words = (f"step 1's grad norm agrees ({norms['gpu']:.4g}; the source saw 2.7-2.96 against a clip of 1.0: "
+                  "clipped, the gradient's direction, where bf16 differs, is what moves the weights)"
                   if norms else "the logs print no grad norm of step 1 to compare")
     assumed = "" if precision == "bf16" else " (the precision was not given: taken as bf16)"
     return _finding("step2_spike", head + logging + (
         f"the applied lr agrees, {norm_words}, and step 3 is aligned again: the benign transient of bf16 training "
         f"across hardware{assumed}. Adam's first bias-corrected update (m_hat = m / (1 - beta1) = 10 m) amplifies a "
         "tiny bf16 difference in step 1's backward pass into one perturbed update; step 2's forward shows it, step 3 "
-        "has converged back (the lm and MTP losses spike together). It would not be benign if it persisted past "
+        "has converged back (in the source the lm and MTP losses spiked together). It would not be benign if it persisted past "
         "step 2, appeared with fp32 on both sides, or came with a different lr or step-1 grad norm: then it is "
         + mismatch), metrics.name, 2)
 
