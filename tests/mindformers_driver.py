@@ -209,6 +209,24 @@ def load_task(path: str, checkpoint: str, dump: Path, log: Path) -> None:
     ms.save_checkpoint(net, str(dump), format="safetensors")
 
 
+def fork_task(module: str, classes: list[str], path: str, log: Path) -> None:
+    """A fork's Qwen3.5 classes (``module``, patched with mindformers-qwen35-loss-logging) built from the
+    converted model section, asked for their config as LossCallback asks on every step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fork_qwen35", module)
+    fork = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork)
+    config = convert(public(yaml.safe_load(Path(path).read_text())["model"]), log.with_suffix(".convert.log"))
+    handler = _log_to(log)
+    try:
+        for name in classes:
+            model = getattr(fork, name)(config)
+            assert model.get_gpt_transformer_config() is config and model.get_gpt_transformer_config() is config
+    finally:
+        _unlog(handler)
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(job["result"]).parent
@@ -223,6 +241,8 @@ def main() -> None:
                    workdir / "loss_lines.log")
     if "skip_steps" in job:
         skip_warnings(job["skip_steps"], workdir / "skip.log")
+    for name, spec in job.get("forks", {}).items():
+        fork_task(spec["module"], spec["classes"], spec["yaml"], workdir / f"fork_{name}.log")
     if "save" in job:
         save_task(job["save"]["yaml"], Path(job["save"]["dir"]), workdir / "save.log")
     if "load" in job:

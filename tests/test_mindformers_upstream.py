@@ -17,12 +17,13 @@ import torch
 from safetensors.torch import load_file
 
 from crossalign.backends.launch import BackendRunError, BackendSetupError
-from crossalign.backends.mindformers import mindformers_yaml, dump_yaml, verify_mindformers_log, \
+from crossalign.backends.mindformers import mindformers_yaml, dump_yaml, verify_built_model, verify_mindformers_log, \
     verify_transformer_config
 from crossalign.checkpoint.layout import mindformers_buffers, mindformers_shapes
 from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
 from crossalign.checkpoint.safetensors_io import read_header
 from crossalign.config import load_config
+from crossalign.patching import apply_patch, load_patch
 from crossalign.logs.mindformers import parse_mindformers_log
 from mindformers_upstream import RELEASES, run_driver
 
@@ -32,6 +33,33 @@ STEPS = [{"step": 1, "max_steps": 3, "loss": 7.5, "aux": 1.01, "mtp": [7.6], "gr
          {"step": 2, "max_steps": 3, "loss": 7.4, "aux": "nan", "mtp": ["nan"], "grad_norm": "nan"},
          {"step": 3, "max_steps": 3, "loss": 7.3, "aux": 1.02, "mtp": [7.5], "grad_norm": 1.4}]
 SKIPPED = [2]
+FORK = """
+from mindspore import nn
+from mindformers.parallel_core.utils.model_mixin import ModelMixin, TrainModelMixin
+from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
+
+
+def gpt(config, **rope):
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True),
+                    vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
+                    position_embedding_type="rope", rotary_base=config.rotary_base, **rope)
+
+
+class {passes}(TrainModelMixin, ModelMixin, nn.Cell):  # as PyNativeQwen3ForCausalLM's bases
+    def __init__(self, config):
+        nn.Cell.__init__(self)
+        self.transformer_config = config
+        self.model = gpt(config, rotary_percent=config.partial_rotary_factor)
+
+
+class {full}(TrainModelMixin, ModelMixin, nn.Cell):  # as PyNativeQwen3ForCausalLM's bases
+    def __init__(self, config):  # passes no rotary_percent, as PyNativeQwen3ForCausalLM
+        nn.Cell.__init__(self)
+        self.transformer_config = config
+        self.model = gpt(config)
+"""
+FORK_CLASSES = {"passes": "PyNativeQwen35ForCausalLM", "full": "PyNativeQwen35MoeForCausalLM"}
 # Only a fork's TransformerConfig has these (public MindFormers has no Qwen3.5): the readback names them.
 FORK_FIELDS = {"attention_output_gate", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
                "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"}
@@ -43,6 +71,16 @@ def generated(tmp: Path, name: str, mode: str = "align") -> str:
     return str(dump_yaml(mindformers_yaml(config, mode=mode, data_prefix="/data/p", **kwargs), tmp / f"{name}_{mode}.yaml"))
 
 
+def fork_module(root: Path) -> str:
+    """A fork's Qwen3.5 model file with the mindformers-qwen35-loss-logging patch applied by crossalign."""
+    path = root / "mindformers/models/qwen3_5/modeling_qwen3_5.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(FORK.format(**FORK_CLASSES))
+    report = apply_patch(load_patch("mindformers-qwen35-loss-logging"), root, tuple(FORK_CLASSES.values()))
+    assert report.status == "applied" and "get_gpt_transformer_config" in path.read_text(), report
+    return str(path)
+
+
 @pytest.fixture(scope="module", params=RELEASES)
 def release(request, tmp_path_factory):
     """One run of a release's code on every generated YAML: (version, result, work folder)."""
@@ -50,12 +88,15 @@ def release(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"mindformers-{version}")
     models = {name: generated(tmp, name) for name in MODELS}
     moe = models["qwen35_moe_tiny"]
+    fork = fork_module(tmp / "fork")
     job = {"models": models,
            "loads": {f"{name}_base": generated(tmp, name, "base") for name in MODELS},
            "variants": {"swiglu": {"yaml": moe, "changes": {"hidden_act": "swiglu"}},
                         "no_shared_expert_num": {"yaml": moe, "changes": {"shared_expert_num": None}}},
            "loss_lines": {"yaml": moe, "lr": LR, "steps": STEPS},
-           "save": {"yaml": moe, "dir": str(tmp / "saved")}}
+           "save": {"yaml": moe, "dir": str(tmp / "saved")},
+           "forks": {kind: {"module": fork, "classes": [name], "yaml": models["qwen35_dense_tiny"]}
+                     for kind, name in FORK_CLASSES.items()}}
     if version >= "2.1.0":
         job["skip_steps"] = SKIPPED
     result, _ = run_driver(version, job, tmp / "work")
@@ -139,6 +180,17 @@ def test_the_built_model_takes_no_rope_fraction_from_the_config(release):
     _, result, _ = release
     model = result["models"]["qwen35_moe_tiny"]
     assert model["rotary_percent"] == 1.0 and model["rotary_dims"] == load_config("qwen35_moe_tiny").model.kv_channels
+
+
+def test_the_patch_reports_the_rope_fraction_the_built_model_uses(release):
+    """The patched get_gpt_transformer_config (called by LossCallback every step) logs the built GPTModel's
+    rotary_percent once; the step's check fails a class that passes none to GPTModel."""
+    _, _, work = release
+    config = load_config("qwen35_dense_tiny")
+    verify_built_model(work / "fork_passes.log", config)
+    assert (work / "fork_passes.log").read_text().count("crossalign built model") == 1
+    with pytest.raises(BackendRunError, match=r"uses rotary_percent 1.0, the config 0.25"):
+        verify_built_model(work / "fork_full.log", config)
 
 
 def test_loss_callback_lines_are_read_and_a_nan_is_named(release):

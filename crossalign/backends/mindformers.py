@@ -372,6 +372,33 @@ def verify_transformer_config(log_path: Path, config: AlignmentConfig) -> None:
                               f"{problems}")
 
 
+BUILT_MODEL_LINE = re.compile(r"crossalign built model: rotary_percent (\S+)")
+
+
+def verify_built_model(log_path: Path, config: AlignmentConfig) -> None:
+    """Raise BackendRunError unless the built GPTModel uses the config's rope fraction.
+
+    The converted config's partial_rotary_factor does not reach the model: pynative GPTModel takes its
+    rope fraction from its constructor argument rotary_percent (default 1.0; 2.1.0 gpt_model.py:106,213),
+    so a model class that passes nothing trains full rope while the readback passes. The
+    mindformers-qwen35-loss-logging patch logs the value the built model holds.
+    """
+    found = None
+    with open(log_path, encoding="utf-8", errors="replace") as log:
+        for number, line in enumerate(log, start=1):
+            if match := BUILT_MODEL_LINE.search(line):
+                found = number, _converted_value(match.group(1))
+    if found is None:
+        raise BackendRunError(f"{log_path}: no 'crossalign built model' line: cannot check the rope fraction the "
+                              "model uses (GPTModel takes rotary_percent from its constructor, not from "
+                              "partial_rotary_factor); apply the mindformers-qwen35-loss-logging patch, which logs it")
+    number, used = found
+    if not _agrees(used, config.model.rotary_percent):
+        raise BackendRunError(f"{log_path}:{number}: the built GPTModel uses rotary_percent {used!r}, the config "
+                              f"{config.model.rotary_percent!r}: the fork's Qwen3.5 class must pass "
+                              "rotary_percent=config.partial_rotary_factor to GPTModel (its default is 1.0)")
+
+
 # ---- the log ---------------------------------------------------------------------------------
 
 STEP_LINE = re.compile(r"\{\s*step:\[\s*(\d+)\s*/\s*(\d+)\s*\]")
@@ -554,6 +581,7 @@ class MindFormersBackend(FrameworkBackend):
         verify_mindformers_log(request.log_path, steps=steps, loaded=loaded, exit_status=status,
                                mtp=request.config.model.mtp_num_layers > 0, moe=request.config.model.is_moe)
         verify_transformer_config(request.log_path, request.config)
+        verify_built_model(request.log_path, request.config)
         checkpoint = find_checkpoint(request.checkpoint_dir) if save else None
         return TrainResult(log_path=request.log_path, checkpoint_dir=checkpoint, iterations=steps,
                            seconds=time.monotonic() - start)
