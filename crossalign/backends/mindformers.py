@@ -24,6 +24,15 @@ and fails, naming the setting, when a number-changing setting is missing or diff
 (:func:`verify_transformer_config`). A fork that needs other keys gets them through
 ``request.extra["mindformers_model"]``, merged over the generated section.
 
+What the step checks does not rest on MindFormers' load messages: ``load_checkpoint`` loads only the
+network's own names and never reports a checkpoint tensor the network lacks (2.1.0
+``checkpoint/checkpoint.py: load_checkpoint``, its ``filter_func``), so a network built without its
+shared experts would load "completely" and drop their weights. The converted-config readback
+(``shared_expert_num`` included) and the built-model line (:func:`verify_built_model`) say the network
+is the one the config describes; "Network parameters not loaded" still fails the run. Releases before
+2.0.0 are refused (``training.mindformers_version``): r1.9.0's TrainConfig rejects the generated
+parallelism and recompute keys and its LossCallback logs neither the MTP nor the aux loss.
+
 The log: LossCallback lines go to stdout (captured line by line into ``train.log``) and to
 ``<LOG_MF_PATH>/rank_<r>/info.log``; the run script points LOG_MF_PATH into the step folder.
 With several cards msrun tails the last worker's log to stdout.
