@@ -198,3 +198,16 @@ def test_a_printed_nan_is_told_from_a_value_not_printed(tmp_path):
     df = parse_mindformers_log(log)
     assert df.attrs["printed_nan"]["mtp_1_loss"] == [3] and df.attrs["printed_nan"]["grad_norm"] == [3]
     assert df.attrs["printed_nan"]["lm_loss"] == []
+
+
+def test_the_comparison_reads_the_mtp_loss_by_the_configs_release(tmp_path):
+    from crossalign.config import load_config
+    from crossalign.report.compare import options_from_config
+
+    config = load_config("qwen35_moe_tiny", ["training.mindformers_version=2.0.0", "model.mtp_loss_scaling_factor=0.3"])
+    options = options_from_config(config)
+    assert options.mindformers_version == "2.0.0" and options.mtp_loss_scaling_factor == pytest.approx(0.3)
+    scaled = _pynative_log(tmp_path, "r200.log", [0.3 * x for x in MTP[:3]], WARMUP[1:4])
+    df = parse_log(scaled, mtp_loss_scaling_factor=options.mtp_loss_scaling_factor,
+                   mindformers_version=options.mindformers_version)
+    np.testing.assert_allclose(df["mtp_1_loss"], MTP[:3], atol=1e-5)

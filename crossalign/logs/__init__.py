@@ -36,22 +36,24 @@ def detect_format(path: Path, text: str) -> str:
 
 
 def parse_log(path: Path, core_version: str | None = "0.16.1", mtp_loss_scaling_factor: float | None = None,
-              log_interval: int | None = None) -> pd.DataFrame:
+              log_interval: int | None = None, mindformers_version: str | None = None) -> pd.DataFrame:
     """Parse a training log of either framework, detected from its content.
 
     ``core_version`` and ``log_interval`` concern Megatron logs only (None: unknown, see
-    ``parse_megatron_text``); ``mtp_loss_scaling_factor`` graph-mode MindFormers logs only.
+    ``parse_megatron_text``); ``mtp_loss_scaling_factor`` and ``mindformers_version`` MindFormers logs only
+    (graph mode, and pynative releases that print the MTP loss scaled).
     """
     path = Path(path)
     text, truncated = read_log_text(path)
-    return parse_log_text(path, text, core_version, mtp_loss_scaling_factor, log_interval, truncated)
+    return parse_log_text(path, text, core_version, mtp_loss_scaling_factor, log_interval, truncated,
+                          mindformers_version)
 
 
 def parse_log_text(path: Path, text: str, core_version: str | None = "0.16.1",
                    mtp_loss_scaling_factor: float | None = None, log_interval: int | None = None,
-                   truncated: bool = False) -> pd.DataFrame:
+                   truncated: bool = False, mindformers_version: str | None = None) -> pd.DataFrame:
     """``parse_log`` of text already read (complete lines of a log that is still growing); ``path`` names it."""
     fmt = detect_format(path, text)
     if fmt == "megatron":
         return parse_megatron_text(path, text, core_version, truncated, log_interval)
-    return parse_mindformers_text(path, text, mtp_loss_scaling_factor, truncated, fmt)
+    return parse_mindformers_text(path, text, mtp_loss_scaling_factor, truncated, fmt, mindformers_version)

@@ -48,7 +48,8 @@ class CompareOptions:
     aux_expected: bool | None = None                # the model is MoE: both logs must print the aux loss
     exclude_steps: tuple[int, ...] = ()             # left out of mean/median/max/pearson/comove
     step_threshold: float = MEAN_LIMIT              # a step above it is a "bad" step (first_bad_step)
-    mtp_loss_scaling_factor: float | None = None    # only for graph-mode logs, whose mtp_loss is scaled
+    mtp_loss_scaling_factor: float | None = None    # graph-mode and r2.0.0 pynative logs print the MTP loss scaled
+    mindformers_version: str | None = None          # decides whether a pynative mtp_1_loss is scaled; None: as printed
     allow_any_format: bool = False                  # a log of either framework on either side (else refused)
     precision: str | None = None                    # "fp32" or "bf16" (both sides' arithmetic); None: taken as bf16
     plot: bool = True
@@ -62,6 +63,7 @@ def options_from_config(config, **overrides) -> CompareOptions:
     model, training = config.model, config.training
     values = {
         "megatron_core_version": training.megatron_core_version,
+        "mindformers_version": training.mindformers_version,
         "precision": "bf16" if training.bf16 else "fp32",
         "expect_steps": training.train_iters,
         "mtp_expected": model.mtp_num_layers > 0,
@@ -350,7 +352,8 @@ def _short_ranges(steps: set[int]) -> str:
 def parse_both(npu_log: Path, gpu_log: Path, options: CompareOptions) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Parse the two logs (each format detected from its content)."""
     kwargs = {"core_version": options.megatron_core_version, "log_interval": options.log_interval,
-              "mtp_loss_scaling_factor": options.mtp_loss_scaling_factor}
+              "mtp_loss_scaling_factor": options.mtp_loss_scaling_factor,
+              "mindformers_version": options.mindformers_version}
     return parse_log(Path(npu_log), **kwargs), parse_log(Path(gpu_log), **kwargs)
 
 
