@@ -266,8 +266,9 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     ms2mg reads a MindFormers checkpoint (one rank's, or several ranks' slices stitched by
     their metadata.json) tensor by tensor, leaves out its optimizer state and buffers, and
     writes a Megatron legacy checkpoint resharded to tp x pp x ep (routed experts split
-    over ``etp`` tensor ranks, None: tp); mg2ms merges a Megatron checkpoint of any layout and writes a MindFormers checkpoint as ``tp`` ranks save it (one file per rank
-    and metadata.json when tp > 1), with the buffers of MindFormers' MoE layers, and whose
+    over ``etp`` tensor ranks, None: tp); mg2ms merges a Megatron checkpoint of any layout
+    and writes a MindFormers checkpoint as ``tp`` ranks save it (one file per rank and
+    metadata.json when tp > 1), with the buffers of MindFormers' MoE layers, and whose
     common.json records the Megatron iteration (and ``global_batch_size`` with the samples
     consumed, when given).
     ``dtype`` casts floating tensors (fp32, as the source converter does, bf16, or keep).

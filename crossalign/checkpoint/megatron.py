@@ -32,9 +32,16 @@ import torch
 from crossalign.checkpoint.atomic import save_iteration
 from crossalign.checkpoint.blocks import BlockCaster
 from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.reshard import Rank, check_parallel_sizes, merge_shards, shard_shapes, shard_tensor
+from crossalign.checkpoint.reshard import (
+    Rank,
+    check_parallel_sizes,
+    is_routed_expert,
+    merge_shards,
+    shard_shapes,
+    shard_tensor,
+)
 from crossalign.checkpoint.torch_dist import fill_torch_dist, is_torch_dist, legacy_state, read_torch_dist_tensors
-from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter
+from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter, write_to_all
 from crossalign.config import ModelConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -108,19 +115,49 @@ def _load_rank(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _ranks_of(folders: dict[tuple[int, ...], Path], shards: dict[tuple[int, ...], dict], directory: Path) -> dict:
+def _model_keys(file: Path) -> set[str]:
+    """The model keys of a rank file, read without its data (memory-mapped, so no tensor is copied)."""
+    try:
+        return set(torch.load(file, map_location="cpu", weights_only=True, mmap=True).get("model", {}))
+    except Exception as exc:  # torch raises many kinds for a bad or foreign pickle
+        raise CheckpointError(f"{file}: cannot be loaded with weights_only=True ({exc})") from None
+
+
+def _ranks_of(folders: dict[tuple[int, ...], Path], directory: Path) -> dict[tuple[int, ...], Rank]:
     """(tp, pp, ep) of each folder's numbers: a lone second number is a stage unless every file has the final norm."""
     lengths = {len(numbers) for numbers in folders}
     if len(lengths) > 1:
-        raise CheckpointError(f"{directory}: rank folders of different forms: {sorted(p.name for p in folders.values())}")
+        names = sorted(folder.name for folder in folders.values())
+        raise CheckpointError(f"{directory}: rank folders of different forms: {names}")
     length = lengths.pop()
     if length == 1:
         return {numbers: (numbers[0], 0, 0) for numbers in folders}
     if length == 3:
         return {numbers: numbers for numbers in folders}
-    expert_ranks = len(shards) > 1 and all(_LAST_STAGE_KEY in state for state in shards.values())
+    expert_ranks = len(folders) > 1 and all(_LAST_STAGE_KEY in _model_keys(folder / MODEL_FILE)
+                                            for folder in folders.values())
     return {numbers: (numbers[0], 0, numbers[1]) if expert_ranks else (numbers[0], numbers[1], 0)
             for numbers in folders}
+
+
+def _load_sharing_replicas(files: dict[Rank, Path]) -> dict[Rank, dict[str, torch.Tensor]]:
+    """Every rank's state; what an EP rank holds like EP rank 0 is checked bit for bit and then shared.
+
+    Each expert-parallel rank repeats the whole non-expert model: keeping one copy of it, as
+    each file is read, holds the model about once in memory however many EP ranks there are.
+    """
+    shards: dict[Rank, dict[str, torch.Tensor]] = {}
+    for rank in sorted(files, key=lambda r: (r[2], r[1], r[0])):  # EP rank 0 of every (tp, pp) first
+        state = _load_rank(files[rank])
+        reference = shards.get((rank[0], rank[1], 0)) if rank[2] else None
+        if reference is not None:
+            for key, tensor in state.items():
+                if key in reference and not is_routed_expert(key):
+                    if not torch.equal(tensor, reference[key]):
+                        raise CheckpointError(f"{files[rank]}: {key!r} differs from expert-parallel rank 0's")
+                    state[key] = reference[key]
+        shards[rank] = state
+    return shards
 
 
 def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
@@ -151,9 +188,8 @@ def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
         folders[tuple(int(g) for g in match.groups() if g is not None)] = rank_dir
     if not folders:
         raise CheckpointError(f"{directory}: no mp_rank_* folders")
-    loaded = {numbers: _load_rank(folder / MODEL_FILE) for numbers, folder in folders.items()}
-    shards: dict[Rank, dict[str, torch.Tensor]] = {rank: loaded[numbers]
-                                                  for numbers, rank in _ranks_of(folders, loaded, directory).items()}
+    shards = _load_sharing_replicas({rank: folders[numbers] / MODEL_FILE
+                                     for numbers, rank in _ranks_of(folders, directory).items()})
     tp, pp, ep = (1 + max(rank[i] for rank in shards) for i in range(3))
     state = merge_shards(shards, model) if len(shards) > 1 else shards[(0, 0, 0)]
     return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=tp, pp=pp, ep=ep)
@@ -190,8 +226,13 @@ def _fill_iteration_dir(directory: Path, iteration: int, specs: Mapping[str, Ten
         for key, tensor in tensors:
             if key != next(announced, None):
                 raise CheckpointError(f"{directory}: tensor {key!r} was not announced in this place")
+            same: dict[int, list[tuple[TorchFileWriter, str]]] = {}  # shards that are one tensor, by its id
+            shards = {}
             for rank, local_key, shard in shard_tensor(key, tensor, model, tp, pp, ep, etp):
-                writers[rank].write(local_key, shard)
+                same.setdefault(id(shard), []).append((writers[rank], local_key))
+                shards[id(shard)] = shard
+            for identity, targets in same.items():
+                write_to_all(targets, shards[identity])
 
 
 def stream_megatron_checkpoint(root: Path, iteration: int, specs: Mapping[str, TensorSpec],

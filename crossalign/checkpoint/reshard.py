@@ -191,6 +191,11 @@ def _routed_expert(key: str) -> re.Match | None:
     return _ROUTED_EXPERT.fullmatch(key)
 
 
+def is_routed_expert(key: str) -> bool:
+    """Whether a Megatron key is a routed expert's weight (split over expert-parallel ranks, not replicated)."""
+    return _routed_expert(key) is not None
+
+
 def _expert_slices(key: str, tensor_or_shape, local: int, ep: int) -> list[tuple[int, str, object]]:
     """(EP rank, local key, the part) of one routed expert tensor or shape, as Megatron numbers experts per rank.
 
@@ -288,7 +293,7 @@ def _merge_stage(stage: int, shards: dict[Rank, dict[str, torch.Tensor]], model:
     merged = _merge_over_tp([grid[(t, 0)] for t in range(tp)], dense, model)
     for e in range(1, ep):
         for key in dense:
-            if not torch.equal(grid[(0, e)][key], grid[(0, 0)][key]):
+            if grid[(0, e)][key] is not grid[(0, 0)][key] and not torch.equal(grid[(0, e)][key], grid[(0, 0)][key]):
                 raise CheckpointError(f"{key!r} differs between expert-parallel ranks 0 and {e} of stage {stage}")
     kept = frozenset(dense)
     experts = [key for key in keys if key not in kept]

@@ -86,8 +86,8 @@ class TorchFileWriter:
         self._caster = caster or BlockCaster()
         self._file = open(path, "r+b")
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next announced tensor (cast to its announced dtype when both are floating)."""
+    def _claim(self, name: str, tensor: torch.Tensor) -> tuple[int, torch.dtype]:
+        """Take the next announced record for ``tensor``: its offset and stored dtype (checked against it)."""
         if not self._pending:
             raise CheckpointError(f"{self.path}: tensor {name!r} was not announced")
         expected, spec, offset = self._pending.pop()
@@ -95,11 +95,11 @@ class TorchFileWriter:
         if name != expected or tuple(tensor.shape) != spec.shape or not castable:
             raise CheckpointError(f"{self.path}: expected {expected!r} {spec.dtype} {list(spec.shape)}, "
                                   f"got {name!r} {tensor.dtype} {list(tensor.shape)}")
-        self._file.seek(offset)
-        tensor = tensor.detach()
-        blocks = [tensor.contiguous()] if tensor.dtype == spec.dtype else self._caster.rows(tensor, spec.dtype)
-        for block in blocks:
-            self._file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
+        return offset, spec.dtype
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next announced tensor (cast to its announced dtype when both are floating)."""
+        write_to_all([(self, name)], tensor)
 
     def close(self) -> None:
         self._file.close()
@@ -115,3 +115,26 @@ class TorchFileWriter:
             self.close()
         else:
             self._file.close()
+
+
+def write_to_all(targets: list[tuple[TorchFileWriter, str]], tensor: torch.Tensor) -> None:
+    """Write one tensor as the next announced record of several files (each under its name there).
+
+    A tensor that several ranks hold alike (replicated over expert-parallel ranks) is cast once,
+    block by block, and each block goes to every file while it is in the CPU cache: casting it
+    again for every file would cost as much as the writes.
+    """
+    claims = [(writer, *writer._claim(name, tensor)) for writer, name in targets]
+    tensor = tensor.detach()
+    by_dtype: dict[torch.dtype, list[tuple[TorchFileWriter, int]]] = {}
+    for writer, offset, dtype in claims:
+        by_dtype.setdefault(dtype, []).append((writer, offset))
+    for dtype, places in by_dtype.items():
+        blocks = [tensor.contiguous()] if tensor.dtype == dtype else places[0][0]._caster.rows(tensor, dtype)
+        position = 0
+        for block in blocks:
+            data = memoryview(block.reshape(-1).view(torch.uint8).numpy())
+            for writer, offset in places:
+                writer._file.seek(offset + position)
+                writer._file.write(data)
+            position += len(data)

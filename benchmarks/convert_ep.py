@@ -1,0 +1,137 @@
+"""Benchmark of the conversion of a many-expert MoE checkpoint into expert parallel 8 and back.
+
+The model is qwen35_moe with 128 routed experts (top-8) at a small width (hidden 512, expert
+ffn 256, vocab 32768): the real config's 9 MoE layers (8 decoder + MTP) hold 2,304 routed
+expert tensors in Megatron's per-expert form, so the per-tensor cost of the converter shows,
+while the bytes (about 1 GB bf16 in) stay manageable. Two steps, each in a subprocess of its own:
+
+* ms2mg --ep 8: the bf16 MindFormers checkpoint into 8 expert-parallel Megatron rank files (fp32);
+* mg2ms: those 8 files merged back into one MindFormers checkpoint (fp32).
+
+Each is compared, in the same run, with ``cp`` of its input and output files (time, target
+<= 1.5x, the best of ``--repeats``), and its peak RSS with its largest output file (printed:
+a streaming writer needs little more than the largest file, a merging reader holds the model).
+
+    .venv/bin/python benchmarks/convert_ep.py [--experts 128] [--ep 8] [--workdir DIR] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convert import copy_seconds, files_of, memory_available  # noqa: E402  (the same cp baseline)
+
+ROOT = Path(__file__).resolve().parents[1]
+NEEDED_DISK = 8 * 2**30
+NEEDED_MEMORY = 5 * 2**30
+
+CHILD = """
+import json, os, sys, time
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the crossalign commands set it
+from pathlib import Path
+step, config, source, target, ep = sys.argv[1:6]
+from crossalign.checkpoint.convert import convert_checkpoint
+from crossalign.checkpoint.layout import random_mindformers_state
+from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.config import load_config
+model = load_config(config).model
+start = time.perf_counter()  # after the imports, which "proc s" includes
+if step == "generate":
+    state = {key: value.bfloat16() for key, value in random_mindformers_state(model, seed=1).items()}
+    write_mindformers_checkpoint(Path(target), 100, state, None, default_common(100, 8))
+elif step == "ms2mg":
+    convert_checkpoint(model, "ms2mg", Path(source), Path(target), ep=int(ep))
+else:
+    convert_checkpoint(model, "mg2ms", Path(source), Path(target))
+print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+
+
+def many_expert_config(folder: Path, experts: int) -> Path:
+    """qwen35_moe with ``experts`` routed experts at a small width, as a config file."""
+    config = yaml.safe_load((ROOT / "model_configs" / "qwen35_moe.yaml").read_text())
+    config["model"].update(name=f"qwen35_moe_{experts}e", num_experts=experts, moe_router_topk=8, hidden_size=512,
+                           moe_ffn_hidden_size=256, moe_shared_expert_intermediate_size=256, vocab_size=32768,
+                           padded_vocab_size=32768)
+    path = folder / f"qwen35_moe_{experts}e.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_child(step: str, config: Path, source: Path, target: Path, ep: int) -> tuple[float, float, int]:
+    """(seconds of the step once imported, seconds of the whole process, peak RSS in bytes) of one step."""
+    os.sync()
+    start = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", CHILD, step, str(config), str(source), str(target), str(ep)],
+                             stdout=subprocess.PIPE, text=True)
+    output = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{step} failed with exit code {os.waitstatus_to_exitcode(status)}")
+    return json.loads(output.splitlines()[-1])["seconds"], time.perf_counter() - start, usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each step and of its cp baseline")
+    args = parser.parse_args()
+    base = args.workdir or Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    if shutil.disk_usage(base).free < NEEDED_DISK:
+        raise SystemExit(f"{base}: the benchmark needs {NEEDED_DISK / 2**30:.0f} GiB free")
+    if memory_available() < NEEDED_MEMORY:
+        raise SystemExit(f"the benchmark needs {NEEDED_MEMORY / 2**30:.0f} GiB of memory available")
+    rows = []
+    with tempfile.TemporaryDirectory(dir=base, prefix="crossalign-bench-ep-") as tmp:
+        work = Path(tmp)
+        config = many_expert_config(work, args.experts)
+        source, megatron, back = work / "ms-bf16", work / "megatron", work / "ms-back"
+        print(f"generating a random {args.experts}-expert MindFormers checkpoint (bf16) ...", flush=True)
+        run_child("generate", config, source, source, args.ep)
+        for step, inp, out, pattern_in, pattern_out in (("ms2mg", source, megatron, "*.safetensors", "*.pt"),
+                                                        ("mg2ms", megatron, back, "*.pt", "*.safetensors")):
+            runs, copies = [], []
+            for attempt in range(args.repeats):
+                print(f"{step} ep={args.ep} ({attempt + 1}/{args.repeats}) ...", flush=True)
+                if out.exists():
+                    shutil.rmtree(out)
+                runs.append(run_child(step, config, inp, out, args.ep))
+                inputs, outputs = files_of(inp, pattern_in), files_of(out, pattern_out)
+                copies.append(copy_seconds(inputs + outputs, work))
+            largest = max(f.stat().st_size for f in outputs)
+            rows.append({"step": step, "files_out": len(outputs),
+                         "bytes_in": sum(f.stat().st_size for f in inputs),
+                         "bytes_out": sum(f.stat().st_size for f in outputs),
+                         "seconds": min(r[0] for r in runs), "process_seconds": min(r[1] for r in runs),
+                         "cp_seconds": min(copies), "peak_rss": max(r[2] for r in runs), "largest": largest})
+    print()
+    print(f"{'step':<7}{'files':>6}{'in MB':>8}{'out MB':>8}{'step s':>8}{'proc s':>8}{'cp s':>7}{'time/cp':>9}"
+          f"{'RSS MB':>8}{'largest':>9}{'RSS/largest':>12}")
+    for r in rows:
+        print(f"{r['step']:<7}{r['files_out']:>6}{r['bytes_in'] / 1e6:>8.0f}{r['bytes_out'] / 1e6:>8.0f}"
+              f"{r['seconds']:>8.2f}{r['process_seconds']:>8.2f}{r['cp_seconds']:>7.2f}"
+              f"{r['seconds'] / r['cp_seconds']:>9.2f}{r['peak_rss'] / 1e6:>8.0f}{r['largest'] / 1e6:>9.0f}"
+              f"{r['peak_rss'] / r['largest']:>12.2f}")
+    print("target: time/cp <= 1.5 (cp of the step's input and output files); RSS/largest output file is printed")
+    failed = [r["step"] for r in rows if r["seconds"] / r["cp_seconds"] > 1.5]
+    for step in failed:
+        print(f"MISSED: {step}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
