@@ -64,10 +64,19 @@ def _run_mindspore(config: AlignmentConfig, checkpoints: Checkpoints, batch: Bat
     return run_mindspore(net, batch)
 
 
-def _run_pytorch(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
+def _megatron_state(config: AlignmentConfig, checkpoints: Checkpoints) -> dict:
+    """The converted checkpoint's ranks merged; ranks that do not fit together (a layout fault) fail its check."""
+    from crossalign.checkpoint.errors import CheckpointError
     from crossalign.checkpoint.megatron import read_megatron_checkpoint
 
-    state = read_megatron_checkpoint(checkpoints.megatron, config.model).state
+    try:
+        return read_megatron_checkpoint(checkpoints.megatron, config.model).state
+    except CheckpointError as exc:
+        raise SideError(str(exc)) from None
+
+
+def _run_pytorch(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
+    state = _megatron_state(config, checkpoints)
     net, _ = build_megatron(config.model, state, config.training.megatron_core_version, strict=True)
     return run_megatron(net, batch)
 
@@ -77,9 +86,8 @@ def _run_megatron_core(config: AlignmentConfig, checkpoints: Checkpoints, batch:
     import numpy as np
 
     from crossalign.backends.local.mcore_model import McoreLoadError, run_selfcheck_forward
-    from crossalign.checkpoint.megatron import read_megatron_checkpoint
 
-    state = read_megatron_checkpoint(checkpoints.megatron, config.model).state
+    state = _megatron_state(config, checkpoints)
     try:
         out = run_selfcheck_forward(config.model, config.training, state, config.training.megatron_core_version,
                                     batch.input_ids, batch.labels, batch.loss_mask)
@@ -256,9 +264,11 @@ def compare_outputs(reference: Outputs, other: Outputs, tolerances: Tolerances |
 
 
 def _make_checkpoints(config: AlignmentConfig, workdir: Path, ms_ckpt: Path | None, fault: str | None,
-                      seed: int) -> tuple[Path, Path]:
-    """Write a random MindFormers checkpoint (unless given) and convert it with the converter under test."""
+                      seed: int, layout: tuple[int, int, int] = (1, 1, 1)) -> tuple[Path, Path]:
+    """Write a random MindFormers checkpoint (unless given) and convert it with the converter under test into the
+    (tp, pp, ep) ``layout``; a layout fault breaks the converted rank files the way a converter would."""
     from crossalign.checkpoint.convert import convert_checkpoint
+    from crossalign.checkpoint.faults import LAYOUT_FAULTS, inject_layout_fault
 
     if ms_ckpt is None:
         from crossalign.checkpoint.layout import random_mindformers_state
@@ -268,8 +278,15 @@ def _make_checkpoints(config: AlignmentConfig, workdir: Path, ms_ckpt: Path | No
         write_mindformers_checkpoint(ms_ckpt, 1, random_mindformers_state(config.model, seed), None,
                                      default_common(1, config.training.global_batch_size))
     mg_ckpt = workdir / "megatron"
-    convert_checkpoint(config.model, "ms2mg", ms_ckpt, mg_ckpt, core_version=config.training.megatron_core_version,
-                       dtype="fp32", fault=fault)
+    tp, pp, ep = layout
+    in_layout = fault in LAYOUT_FAULTS
+    report = convert_checkpoint(config.model, "ms2mg", ms_ckpt, mg_ckpt,
+                                core_version=config.training.megatron_core_version, dtype="fp32", tp=tp, pp=pp, ep=ep,
+                                fault=None if in_layout else fault)
+    if in_layout:
+        from crossalign.checkpoint.megatron import iteration_dir_name
+
+        inject_layout_fault(mg_ckpt / iteration_dir_name(report.iteration), fault, config.model, tp, pp, ep)
     return ms_ckpt, mg_ckpt
 
 
@@ -316,7 +333,8 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
               fault: str | None = None, seq: int | None = None, batch: int | None = None, *,
               data: Path | None = None, seed: int = 1234, tolerances: Tolerances | None = None,
               implementations: list[Implementation] | None = None,
-              on_stage: StageCallback | None = None, hf_ckpt: Path | None = None) -> SelfcheckReport:
+              on_stage: StageCallback | None = None, hf_ckpt: Path | None = None,
+              layout: tuple[int, int, int] = (1, 1, 1)) -> SelfcheckReport:
     """Run every implementation on one batch and compare each pair's outputs.
 
     ms_ckpt and mg_ckpt: a MindFormers checkpoint and its conversion. With ms_ckpt alone the
@@ -326,6 +344,8 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
     here and transformers runs it as it is. Otherwise transformers runs the ms2hf conversion.
     A converted checkpoint that does not load strictly is a failed check (that implementation's
     ``load_error``); a MindFormers checkpoint that does not fit the config raises :class:`SideError`.
+    ``layout`` (tp, pp, ep): the conversion made here writes Megatron's ranks of that layout, which the
+    Megatron-side implementations read back (a fault of the layout, ``faults.LAYOUT_FAULTS``, shows only so).
     """
     stage = on_stage or (lambda name: None)
     if not isinstance(config, AlignmentConfig):
@@ -345,7 +365,8 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
         mindspore_checkpoint=str(ms_ckpt) if ms_ckpt is not None else
         "converted here" if hf_ckpt is not None else f"random {model.name} (seed {seed})",
         megatron_checkpoint=str(mg_ckpt) if mg_ckpt is not None else
-        "converted here" + (f" with fault {fault}" if fault else ""),
+        "converted here" + (" at (tp, pp, ep) = ({}, {}, {})".format(*layout) if layout != (1, 1, 1) else "")
+        + (f" with fault {fault}" if fault else ""),
         fault=fault, seconds=seconds)
     # One implementation at a time: a real config's weights, model and logits must not all be in memory twice.
     with tempfile.TemporaryDirectory(prefix="crossalign-selfcheck-") as tmp:
@@ -356,7 +377,7 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
             report.huggingface_checkpoint = str(hf_ckpt)
         elif mg_ckpt is None:
             stage("writing and converting a checkpoint" if ms_ckpt is None else "converting the checkpoint")
-            ms_ckpt, mg_ckpt = _make_checkpoints(config, Path(tmp), ms_ckpt, fault, seed)
+            ms_ckpt, mg_ckpt = _make_checkpoints(config, Path(tmp), ms_ckpt, fault, seed, layout)
         if hf_ckpt is None:
             hf_ckpt, report.huggingface_checkpoint = _to_huggingface(config, Path(tmp), Path(ms_ckpt))
         seconds["convert"] = time.perf_counter() - start

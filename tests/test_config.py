@@ -83,7 +83,7 @@ def test_layouts_default_to_one_card_and_each_side_may_differ():
     megatron, mindformers = config.parallel.megatron, config.parallel.mindformers
     assert (megatron.tensor, megatron.expert, megatron.expert_tensor_size, megatron.data_parallel) == (2, 2, 1, 1)
     assert (mindformers.tensor, mindformers.pipeline, mindformers.data_parallel) == (1, 2, 1)
-    assert megatron.ranks == "TP 2 x PP 1 x EP 2 + SP (DP 1) on 1 x 2 cards"
+    assert megatron.ranks == "TP 2 x PP 1 x EP 2 x ETP 1 + SP (DP 1) on 1 x 2 cards"
     assert load_config("qwen35_dense_tiny").parallel.megatron.world_size == 1
 
 

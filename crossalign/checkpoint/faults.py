@@ -111,3 +111,59 @@ def inject_fault(plan: list[PlacedRule], fault: str, model: ModelConfig, core_ve
         raise CheckpointError(f"fault {fault!r} does not apply to model {model.name} "
                               f"({model.kind}, {model.mtp_num_layers} MTP layers): it breaks no rule of it")
     return faulty
+
+
+# ---- faults of the parallel layout: invisible in a single-rank checkpoint ------------------------------------
+
+LAYOUT_FAULTS: dict[str, str] = {
+    "in_proj_split_as_one_block": "GDN in_proj cut into TP contiguous row blocks instead of each rank's "
+                                  "[q_r | k_r | v_r | z_r | beta_r | alpha_r] (only shows at TP > 1)",
+    "experts_not_renumbered": "routed experts keep their global numbers on each EP rank instead of Megatron's "
+                              "local ids 0 .. E/EP-1 (only shows at EP > 1)",
+}
+
+
+def break_layout(shards: dict, fault: str, model: ModelConfig) -> None:
+    """Break a correct sharded state ``{(tp, pp, ep) rank: state}`` in place, as a converter with ``fault`` writes
+    it; a fault this layout cannot show is an error."""
+    import re
+
+    from crossalign.checkpoint.reshard import merge_tensors, partition_of
+
+    tp, ep = 1 + max(rank[0] for rank in shards), 1 + max(rank[2] for rank in shards)
+    if fault == "in_proj_split_as_one_block":
+        if tp == 1:
+            raise CheckpointError("in_proj_split_as_one_block needs tensor parallel size > 1")
+        for (t, p, e), state in shards.items():
+            for key in [k for k in state if k.endswith("self_attention.in_proj.weight")]:
+                parts = [shards[(r, p, e)][key] for r in range(tp)]
+                whole = merge_tensors(key, parts, partition_of(key, parts[0].dim(), model))
+                state[key] = torch.chunk(whole, tp, dim=0)[t].clone()
+        return
+    if fault == "experts_not_renumbered":
+        if ep == 1 or not model.is_moe:
+            raise CheckpointError("experts_not_renumbered needs an MoE model and expert parallel size > 1")
+        local = model.num_experts // ep
+        expert = re.compile(r"(.*mlp\.experts\.linear_fc[12]\.weight)(\d+)")
+        for (t, p, e), state in shards.items():
+            for key in list(state):
+                match = expert.fullmatch(key)
+                if match:
+                    state[f"{match.group(1)}{e * local + int(match.group(2))}"] = state.pop(key)
+        return
+    raise CheckpointError(f"unknown layout fault {fault!r}; known: {', '.join(LAYOUT_FAULTS)}")
+
+
+def inject_layout_fault(iteration_dir, fault: str, model: ModelConfig, tp: int, pp: int, ep: int) -> None:
+    """Rewrite the rank files of a converted tp x pp x ep checkpoint (its ``iter_N`` folder) with ``fault``."""
+    from pathlib import Path
+
+    from crossalign.checkpoint.megatron import MODEL_FILE, rank_dir_name
+
+    files = {(t, p, e): Path(iteration_dir) / rank_dir_name(t, p, pp, e, ep) / MODEL_FILE
+             for t in range(tp) for p in range(pp) for e in range(ep)}
+    records = {rank: torch.load(file, map_location="cpu", weights_only=True) for rank, file in files.items()}
+    shards = {rank: dict(record["model"]) for rank, record in records.items()}
+    break_layout(shards, fault, model)
+    for rank, file in files.items():
+        torch.save({**records[rank], "model": shards[rank]}, file)

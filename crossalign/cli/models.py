@@ -99,6 +99,9 @@ def selfcheck_command(
     seed: int = typer.Option(1234, "--seed", help="Seed of the random weights and tokens."),
     hf: Optional[Path] = typer.Option(None, "--hf", help="Hugging Face Qwen3.5 checkpoint folder as the source: "
                                       "converted to both layouts here, run by transformers as it is."),
+    tp: int = typer.Option(1, "--tp", help="Convert here into this many tensor-parallel ranks."),
+    pp: int = typer.Option(1, "--pp", help="Convert here into this many pipeline stages."),
+    ep: int = typer.Option(1, "--ep", help="Convert here into this many expert-parallel ranks."),
 ) -> None:
     """Load a MindFormers checkpoint into the MindSpore model and its conversions into the PyTorch reference,
     megatron-core's own GPTModel and transformers' Qwen3.5 (the public reference implementation), all
@@ -112,18 +115,18 @@ def selfcheck_command(
     from rich.table import Table
 
     from crossalign.checkpoint.errors import CheckpointError
-    from crossalign.checkpoint.faults import FAULTS
+    from crossalign.checkpoint.faults import FAULTS, LAYOUT_FAULTS
     from crossalign.config import ConfigError, load_config
     from crossalign.diagnose.sides import SideError
     from crossalign.selfcheck import scalar_outputs, selfcheck
 
     with user_errors(CheckpointError, ConfigError, SideError, OSError):
-        if fault is not None and fault not in FAULTS:
-            raise CheckpointError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
+        if fault is not None and fault not in {**FAULTS, **LAYOUT_FAULTS}:
+            raise CheckpointError(f"--fault {fault!r} is not one of {', '.join({**FAULTS, **LAYOUT_FAULTS})}")
         config = load_config(model)
         with console.status("starting") as status:
             report = selfcheck(config, input_dir, converted, fault, seq, batch, data=data, seed=seed,
-                               on_stage=lambda stage: status.update(stage), hf_ckpt=hf)
+                               on_stage=lambda stage: status.update(stage), hf_ckpt=hf, layout=(tp, pp, ep))
 
     console.print(f"{report.config}: batch {report.batch_shape[0]} x {report.batch_shape[1]} ({report.batch_source})\n"
                   f"  MindFormers checkpoint: {report.mindspore_checkpoint}\n"
