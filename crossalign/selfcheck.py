@@ -69,10 +69,16 @@ def _megatron_state(config: AlignmentConfig, checkpoints: Checkpoints) -> dict:
     from crossalign.checkpoint.errors import CheckpointError
     from crossalign.checkpoint.megatron import read_megatron_checkpoint
 
+    from crossalign.checkpoint.norms import norm_convention_problem
+
     try:
-        return read_megatron_checkpoint(checkpoints.megatron, config.model).state
+        state = read_megatron_checkpoint(checkpoints.megatron, config.model).state
     except CheckpointError as exc:
         raise SideError(str(exc)) from None
+    problem = norm_convention_problem(state, config.model, f"Megatron checkpoint {checkpoints.megatron}")
+    if problem:
+        raise SideError(problem)
+    return state
 
 
 def _run_pytorch(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
