@@ -12,11 +12,14 @@ in ``patches/megatron/mtp_gdn.yaml``):
   so crossalign runs ``patches/megatron/pretrain_qwen35.py`` instead, which calls Megatron's own
   ``pretrain()`` with the MTP layer taken from the hybrid block (no file edited). People who run
   ``pretrain_gpt.py`` by hand apply the ``megatron-mtp-gdn`` patch instead;
-- 0.19.0 and later: upstream builds it that way; plain ``pretrain_gpt.py``.
+- 0.19.0 and later: upstream builds it that way; the launcher still runs, for the load digest.
 
 The run's exit status is never trusted alone: Megatron exits 0 after a checkpoint it could not
-unpickle and carries on with random weights after a non-strict load, so the log is read after
-the run (:func:`verify_megatron_log`).
+unpickle, so the log is read after the run (:func:`verify_megatron_log`); and it carries on with
+random weights after a non-strict load, printing only ``load_return: None``, so the launcher
+records what the model holds after loading and the step holds it against the checkpoint
+(:func:`verify_load_digest`). ``crossalign rehearse`` runs this same launch on a CPU
+(``crossalign/rehearsal/``).
 """
 
 from __future__ import annotations
@@ -167,6 +170,7 @@ def megatron_args(
         "--max-position-embeddings", str(m.max_position_embeddings),
         "--normalization", "RMSNorm",
         "--norm-epsilon", _num(m.norm_epsilon),
+        *(["--apply-layernorm-1p"] if m.norm_convention == "zero_centred" else []),  # gammas stored as g - 1
         "--swiglu",
         "--untie-embeddings-and-output-weights",
         "--disable-bias-linear",
