@@ -16,9 +16,12 @@ def convert(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
 
     config = run.config
     with run.commit(STEP, command=step_command(run, STEP)) as out:
+        layout = config.parallel.megatron  # a legacy checkpoint loads only into the layout it was written for
         report = convert_checkpoint(config.model, "ms2mg", run.step_dir("cast-bf16") / "checkpoint",
-                                    out.dir / "checkpoint", core_version=config.training.megatron_core_version)
+                                    out.dir / "checkpoint", core_version=config.training.megatron_core_version,
+                                    tp=layout.tensor, pp=layout.pipeline, ep=layout.expert, etp=layout.expert_tensor)
         out.details.update(checkpoint="checkpoint", core_version=config.training.megatron_core_version,
+                           layout=layout.ranks,
                            iteration=report.iteration, keys_in=report.keys_in, keys_out=report.keys_out,
                            dtype=report.dtype, output_validated=report.output_validated, notes=report.notes)
     return run.manifest(STEP)
