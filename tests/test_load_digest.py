@@ -119,7 +119,8 @@ def test_the_embedded_megatron_core_side_names_both_and_verifies_a_clean_load(tm
     config = load_config("qwen35_moe_tiny")
     state = random_megatron_state(config)
     request = TrainRequest(config=config, side="megatron", mode="align", output_dir=tmp_path,
-                           data=DatasetFiles(prefix=tmp_path / "data", tokenizer=tmp_path), init_checkpoint=tmp_path / "ckpt")
+                           data=DatasetFiles(prefix=tmp_path / "data", tokenizer=tmp_path),
+                           init_checkpoint=tmp_path / "ckpt")
     with megatron_core_on_cpu(config.training.seed):
         net = build_gpt_model(config.model, config.training)
         load_converted_state(net, state, config.model, config.training.megatron_core_version)

@@ -124,7 +124,8 @@ def test_a_renamed_and_a_missing_expert_tensor_fail_the_rehearsal_naming_both(st
     run = embedded_run(store, "qwen35_moe_tiny", "qwen35-moe-tiny")
     converted = read_megatron_checkpoint(run.step_dir("convert") / "checkpoint")
     state = dict(converted.state)
-    renamed, missing = "decoder.layers.1.mlp.experts.linear_fc1.weight2", "decoder.layers.3.mlp.experts.linear_fc2.weight0"
+    renamed = "decoder.layers.1.mlp.experts.linear_fc1.weight2"
+    missing = "decoder.layers.3.mlp.experts.linear_fc2.weight0"
     state[renamed + "_renamed"] = state.pop(renamed)
     del state[missing]
     write_megatron_checkpoint(tmp_path / "faulty", converted.iteration, state)

@@ -195,8 +195,8 @@ def _pool_checks(pool: str, site: SiteConfig, apply_patches: bool) -> list[Check
     checkout = _checkout("Megatron-LM checkout", framework, "pretrain_gpt.py")
     return (_import_checks([("torch:cuda", "torch with CUDA", True), ("transformer_engine", "TransformerEngine", True),
                             ("fla", "flash-linear-attention", True)], framework.python) + [checkout]
-            + ([_megatron_python(framework), _dataset_helpers(framework)] + _patches("megatron", framework, apply_patches)
-               if checkout.ok else []))
+            + ([_megatron_python(framework), _dataset_helpers(framework)]
+               + _patches("megatron", framework, apply_patches) if checkout.ok else []))
 
 
 def _dataset_helpers(framework: FrameworkSite) -> Check:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from crossalign.backends.base import TrainRequest
 from crossalign.backends.launch import RunScript, run_script_locally, write_run_script
-from crossalign.backends.megatron import (ARGS_FILE, DATA_CACHE_DIR, LOAD_DIGEST_DIR, MegatronBackend, parse_iteration_line,
+from crossalign.backends.megatron import (ARGS_FILE, DATA_CACHE_DIR, LOAD_DIGEST_DIR, MegatronBackend,
+                                          parse_iteration_line,
                                           verify_load_digest, verify_megatron_log)
 from crossalign.rehearsal import megatron_cpu
 from crossalign.site import FrameworkSite, SiteConfig
@@ -68,7 +69,8 @@ def core_differences(checkout: Path) -> list[str]:
 
     installed = Path(importlib.util.find_spec("megatron.core").submodule_search_locations[0])
     ours = checkout / "megatron" / "core"
-    names = {p.relative_to(ours) for p in ours.rglob("*.py")} | {p.relative_to(installed) for p in installed.rglob("*.py")}
+    names = ({p.relative_to(ours) for p in ours.rglob("*.py")}
+             | {p.relative_to(installed) for p in installed.rglob("*.py")})
     return sorted(str(name) for name in names
                   if not (ours / name).exists() or not (installed / name).exists()
                   or (ours / name).read_bytes() != (installed / name).read_bytes())

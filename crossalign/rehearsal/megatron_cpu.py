@@ -167,12 +167,14 @@ TRAINING_WORKAROUNDS: tuple[Workaround, ...] = (
                "0 devices would skip the model-parallel groups and the RNG trackers "
                "(megatron/training/initialize.py _initialize_distributed, _set_random_seed): one device, the CPU",
                lambda: _returns(1)),
-    Workaround("torch.cuda", "set_device", "selects the rank's GPU; the CPU needs no selection", lambda: _returns(None)),
+    Workaround("torch.cuda", "set_device", "selects the rank's GPU; the CPU needs no selection",
+               lambda: _returns(None)),
     Workaround("torch.cuda", "synchronize", "waits for the GPU's queue; the CPU has none", lambda: _returns(None)),
     Workaround("torch.cuda", "Stream", "DDP is built on a side stream (training.py get_model)", lambda: _NoStream),
     Workaround("torch.cuda", "current_stream", "DDP's side stream waits on it", lambda: _NoStream),
     Workaround("torch.cuda", "stream", "DDP is built inside a stream context", lambda: _stream_context),
-    Workaround("torch.cuda", "manual_seed", "model_parallel_cuda_manual_seed seeds the CUDA generator", lambda: _returns(None)),
+    Workaround("torch.cuda", "manual_seed", "model_parallel_cuda_manual_seed seeds the CUDA generator",
+               lambda: _returns(None)),
     Workaround("torch.cuda", "get_rng_state",
                "the rerun state machine saves the CUDA generator before each step (rerun_state_machine.py "
                "_save_state); there is none: an empty state", lambda: _returns(torch.empty(0, dtype=torch.uint8))),
@@ -257,7 +259,8 @@ def workarounds() -> list[tuple[str, str]]:
     listed = [(w.name, w.reason) for w in (*mcore_cpu.WORKAROUNDS, *TRAINING_WORKAROUNDS)]
     listed.append(("CudaToCpu", "device='cuda' literals, Tensor.cuda() and .to('cuda') kept on the CPU"))
     listed.append(("CpuTensorTypesAsCuda (--bf16 only)", "the bf16 optimizer accepts only CUDA tensor type names"))
-    listed.append(("torch._dynamo disabled", "megatron-core's jit_fuser compiles with torch.compile; nothing gained on CPU"))
+    listed.append(("torch._dynamo disabled",
+                   "megatron-core's jit_fuser compiles with torch.compile; nothing gained on CPU"))
     return listed
 
 
