@@ -49,6 +49,13 @@ class ModelConfig(_Strict):
     rotary_base: float = Field(default=1_000_000.0, gt=0)
     rotary_percent: float = Field(default=0.25, gt=0, le=1)
     init_method_std: float = Field(default=0.02, gt=0)
+    norm_convention: Literal["plain", "zero_centred"] = Field(
+        default="plain",
+        description="how the Megatron side stores and applies every RMSNorm gamma: plain (x * g) or zero_centred "
+        "(x * (1 + w), Megatron's --apply-layernorm-1p, as Megatron-Bridge converts Hugging Face Qwen3.5). "
+        "MindFormers 1.9.0-2.1.0 have no zero-centred norm (their RMSNorm multiplies by a weight initialised "
+        "to ones), so the MindSpore side always stores plain gammas and the converter shifts each by 1.",
+    )
 
     # GatedDeltaNet (linear attention)
     linear_attention_freq: int = Field(default=4, gt=0, description="layer i is full attention iff (i+1) % freq == 0")

@@ -215,7 +215,7 @@ def megatron_shapes(model: ModelConfig, core_version: str = "0.16.1",
 
 # ---- a realistic random initialisation ----------------------------------------------------------
 
-_NORM_SUFFIXES = ("layernorm.weight", "enorm.weight", "hnorm.weight", "out_norm.weight")
+NORM_SUFFIXES = ("layernorm.weight", "enorm.weight", "hnorm.weight", "out_norm.weight")  # MindFormers' gammas
 
 
 def random_mindformers_state(model: ModelConfig, seed: int) -> dict:
@@ -232,7 +232,7 @@ def random_mindformers_state(model: ModelConfig, seed: int) -> dict:
     std = model.init_method_std
     state: dict[str, torch.Tensor] = {}
     for name, shape in mindformers_shapes(model).items():
-        if name.endswith(_NORM_SUFFIXES):
+        if name.endswith(NORM_SUFFIXES):
             tensor = torch.ones(shape)
         elif name.endswith("a_log"):
             tensor = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.layout import mtp_layer_prefix
+from crossalign.checkpoint.layout import NORM_SUFFIXES, mtp_layer_prefix
 from crossalign.config import ModelConfig
 
 Tensors = list[torch.Tensor]
@@ -158,8 +158,14 @@ class TransposeExperts(OneToOne):
         return self.outputs(self.stacked_input(tensors[0]).transpose(1, 2))
 
     def inverse(self, tensors: Tensors) -> Tensors:
-        stacked = torch.stack(tensors) if self.per_expert else tensors[0]
-        return [stacked.transpose(1, 2).contiguous()]
+        if not self.per_expert:
+            return [tensors[0].transpose(1, 2).contiguous()]
+        # Each expert transposed straight into its place: stacking first would copy every expert twice.
+        out, inp = tensors[0].shape
+        weight = torch.empty((len(tensors), inp, out), dtype=tensors[0].dtype)
+        for e, tensor in enumerate(tensors):
+            weight[e].copy_(tensor.transpose(0, 1))
+        return [weight]
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,31 @@ class PlacedRule:
     @property
     def mg_keys(self) -> tuple[str, ...]:
         return tuple(self.mg_prefix + key for key in self.rule.mg)
+
+
+@dataclass(frozen=True)
+class ZeroCentre(Rule):
+    """A norm gamma under Megatron's --apply-layernorm-1p: Megatron stores w = g - 1 for MindSpore's plain g.
+
+    Both are exact in fp32 and bf16 for gammas in [0.5, 2] (the difference of two floats within
+    a factor 2 of each other is representable), so the round trip is bit for bit there.
+    """
+
+    rule: Rule
+
+    @property
+    def ms(self) -> tuple[str, ...]:
+        return self.rule.ms
+
+    @property
+    def mg(self) -> tuple[str, ...]:
+        return self.rule.mg
+
+    def forward(self, tensors: Tensors) -> Tensors:
+        return [tensor - 1 for tensor in self.rule.forward(tensors)]
+
+    def inverse(self, tensors: Tensors) -> Tensors:
+        return self.rule.inverse([tensor + 1 for tensor in tensors])
 
 
 # ---- rule sets per layer kind (SPEC section 3) --------------------------------------------------
@@ -270,4 +301,7 @@ def conversion_plan(model: ModelConfig, core_version: str = "0.16.1", experts: s
         plan += [PlacedRule(rule, base, base) for rule in MTP_OWN_RULES]
         plan += [PlacedRule(rule, f"{base}transformer_layer.", f"{base}{inner}.")
                  for rule in attention_rules(model) + ffn_rules(model, experts)]
+    if model.norm_convention == "zero_centred":
+        plan = [PlacedRule(ZeroCentre(p.rule), p.ms_prefix, p.mg_prefix) if p.rule.ms[0].endswith(NORM_SUFFIXES)
+                else p for p in plan]
     return plan

@@ -84,6 +84,8 @@ def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bo
         kv_channels=model.kv_channels,
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_epsilon,  # --norm-epsilon
+        # --apply-layernorm-1p; megatron-core's local (torch) norm refuses it (core_v0.16.1 transformer/torch_norm.py:27)
+        layernorm_zero_centered_gamma=model.norm_convention == "zero_centred",
         gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,  # --swiglu
         add_bias_linear=False,  # --disable-bias-linear
         qk_layernorm=True,

@@ -51,16 +51,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-class RMSNorm(nn.Module):
-    """TENorm (RMSNorm): parameter ``weight``."""
+def norm_offset(model: ModelConfig) -> float:
+    """What Megatron adds to a stored gamma before it scales: 1 under --apply-layernorm-1p (zero_centred), else 0."""
+    return 1.0 if model.norm_convention == "zero_centred" else 0.0
 
-    def __init__(self, size: int, eps: float):
+
+class RMSNorm(nn.Module):
+    """TENorm (RMSNorm): parameter ``weight``, applied as weight + offset (``norm_offset``)."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.full((size,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
 
 
 class LayerNormLinear(nn.Module):
@@ -69,14 +74,15 @@ class LayerNormLinear(nn.Module):
     Parameters ``layer_norm_weight`` [in] and ``weight`` [out, in], as Megatron stores them.
     """
 
-    def __init__(self, in_features: int, out_features: int, eps: float):
+    def __init__(self, in_features: int, out_features: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.layer_norm_weight = nn.Parameter(torch.ones(in_features))
+        self.eps, self.offset = eps, offset
+        self.layer_norm_weight = nn.Parameter(torch.full((in_features,), 1.0 - offset))
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight)
+        gamma = self.layer_norm_weight + self.offset if self.offset else self.layer_norm_weight
+        return F.linear(rms_norm(x, gamma, self.eps), self.weight)
 
 
 def linear(in_features: int, out_features: int) -> nn.Linear:
@@ -126,9 +132,9 @@ class GatedAttention(nn.Module):
         self.num_groups = model.num_query_groups
         self.heads_per_group = model.heads_per_group
         self.head_dim = model.kv_channels
-        self.linear_qkv = LayerNormLinear(model.hidden_size, model.qkv_rows, model.norm_epsilon)
-        self.q_layernorm = RMSNorm(model.kv_channels, model.norm_epsilon)
-        self.k_layernorm = RMSNorm(model.kv_channels, model.norm_epsilon)
+        self.linear_qkv = LayerNormLinear(model.hidden_size, model.qkv_rows, model.norm_epsilon, norm_offset(model))
+        self.q_layernorm = RMSNorm(model.kv_channels, model.norm_epsilon, norm_offset(model))
+        self.k_layernorm = RMSNorm(model.kv_channels, model.norm_epsilon, norm_offset(model))
         self.linear_proj = linear(model.attention_output_size, model.hidden_size)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -197,13 +203,13 @@ class GatedDeltaNet(nn.Module):
         self.conv_channels = model.conv_channels
         self.delta_rule_form = "chunk"
 
-        self.in_proj = LayerNormLinear(model.hidden_size, model.in_proj_rows, model.norm_epsilon)
+        self.in_proj = LayerNormLinear(model.hidden_size, model.in_proj_rows, model.norm_epsilon, norm_offset(model))
         kernel = model.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(self.conv_channels, self.conv_channels, kernel, groups=self.conv_channels,
                                 padding=kernel - 1, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_value_heads))
         self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads))
-        self.out_norm = RMSNorm(self.value_head_dim, model.norm_epsilon)
+        self.out_norm = RMSNorm(self.value_head_dim, model.norm_epsilon, norm_offset(model))
         self.out_proj = linear(self.value_dim, model.hidden_size)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
@@ -237,7 +243,8 @@ class DenseMLP(nn.Module):
 
     def __init__(self, model: ModelConfig):
         super().__init__()
-        self.linear_fc1 = LayerNormLinear(model.hidden_size, 2 * model.ffn_hidden_size, model.norm_epsilon)
+        self.linear_fc1 = LayerNormLinear(model.hidden_size, 2 * model.ffn_hidden_size, model.norm_epsilon,
+                                          norm_offset(model))
         self.linear_fc2 = linear(model.ffn_hidden_size, model.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -389,7 +396,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.self_attention = GatedAttention(model) if kind == "attention" else GatedDeltaNet(model)
         if model.is_moe:
-            self.pre_mlp_layernorm = RMSNorm(model.hidden_size, model.norm_epsilon)
+            self.pre_mlp_layernorm = RMSNorm(model.hidden_size, model.norm_epsilon, norm_offset(model))
             self.mlp = MoE(model)
         else:
             self.mlp = DenseMLP(model)
@@ -413,7 +420,7 @@ class Decoder(nn.Module):
     def __init__(self, model: ModelConfig):
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(model, kind) for kind in model.layer_kinds)
-        self.final_layernorm = RMSNorm(model.hidden_size, model.norm_epsilon)
+        self.final_layernorm = RMSNorm(model.hidden_size, model.norm_epsilon, norm_offset(model))
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         for layer in self.layers:
@@ -431,11 +438,11 @@ class MTPLayer(nn.Module):
     def __init__(self, model: ModelConfig, inner_name: str):
         super().__init__()
         self.inner_name = inner_name
-        self.enorm = RMSNorm(model.hidden_size, model.norm_epsilon)
-        self.hnorm = RMSNorm(model.hidden_size, model.norm_epsilon)
+        self.enorm = RMSNorm(model.hidden_size, model.norm_epsilon, norm_offset(model))
+        self.hnorm = RMSNorm(model.hidden_size, model.norm_epsilon, norm_offset(model))
         self.eh_proj = linear(2 * model.hidden_size, model.hidden_size)
         self.add_module(inner_name, TransformerLayer(model, "attention"))
-        self.final_layernorm = RMSNorm(model.hidden_size, model.norm_epsilon)
+        self.final_layernorm = RMSNorm(model.hidden_size, model.norm_epsilon, norm_offset(model))
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, rope) -> torch.Tensor:
         x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
