@@ -12,7 +12,6 @@ the step's own checks run on it: the log (:func:`verify_megatron_log`) and the l
 
 from __future__ import annotations
 
-import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -134,9 +133,6 @@ def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Pat
                         losses=logged_losses(log), digest_tensors=tensors,
                         core_differences=core_differences(checkout))
 
-
-def describe_command(script: RunScript) -> str:
-    return " ".join(map(shlex.quote, map(str, script.command)))
 
 
 def embedded_losses(run: Run) -> dict[int, dict[str, float]] | None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
 import runpy
 import sys
 from dataclasses import dataclass
@@ -213,9 +212,8 @@ class CudaToCpu(TorchFunctionMode):
 
 
 def _is_cuda(value) -> bool:
-    if isinstance(value, (str, torch.device)):
-        return torch.device(value).type == "cuda"
-    return isinstance(value, int) and not isinstance(value, bool) and False
+    """A device argument that names CUDA ('cuda', 'cuda:0', torch.device('cuda'))."""
+    return isinstance(value, (str, torch.device)) and torch.device(value).type == "cuda"
 
 
 # ---- self-test and runtime -------------------------------------------------------------------
