@@ -40,6 +40,17 @@ def test_the_cpu_arguments_replace_what_a_cpu_cannot_honour():
     assert "--bf16" in kept
 
 
+def test_cuda_literals_and_moves_stay_on_the_cpu():
+    """What Megatron-LM's training loop does with tensors (training.py, utils.get_batch_on_this_tp_rank)."""
+    import torch
+
+    with megatron_cpu.CudaToCpu():
+        made = torch.tensor([0.0], dtype=torch.float, device="cuda")
+        moved = [made.cuda(non_blocking=True), made.to("cuda"), made.to(device=torch.device("cuda:0"))]
+        module = torch.nn.Linear(2, 2).cuda(0)
+    assert {t.device.type for t in [made, *moved, module.weight]} == {"cpu"}
+
+
 def test_every_runtime_stand_in_is_listed_with_its_reason():
     listed = dict(megatron_cpu.workarounds())
     for workaround in (*mcore_cpu.WORKAROUNDS, *megatron_cpu.TRAINING_WORKAROUNDS):
