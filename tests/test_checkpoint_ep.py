@@ -137,3 +137,15 @@ def test_diagnose_reads_a_sharded_checkpoint_and_finds_no_divergence(tmp_path, s
     result = diagnose(load_config("qwen35_moe_tiny"), source, tmp_path / "mg", tmp_path / "out", seq=32, batch=1,
                       save_tensors=False)
     assert not result.diagnosis.diverged, result.diagnosis.hint()
+
+
+def test_an_ep_rank_whose_replicated_tensors_differ_is_named(tmp_path, source):
+    out = tmp_path / "mg"
+    convert_checkpoint(MOE, "ms2mg", source, out, ep=2)
+    file = out / "iter_0000004" / "mp_rank_00_001" / "model_optim_rng.pt"
+    checkpoint = torch.load(file, weights_only=True)
+    checkpoint["model"]["decoder.layers.2.mlp.router.weight"][0, 0] += 1
+    torch.save(checkpoint, file)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_001.*'decoder.layers.2.mlp.router.weight' differs from "
+                                              "expert-parallel rank 0's"):
+        read_megatron_checkpoint(out, MOE)
