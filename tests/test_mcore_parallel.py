@@ -164,3 +164,36 @@ def test_a_fault_of_the_layout_fails_the_selfcheck_in_that_layout_naming_where(n
     report = selfcheck(config, fault=fault, seq=16, batch=2, layout=layout)
     assert not report.passed
     assert shows in (report.departure or "") + " ".join(report.load_errors)
+
+
+def test_the_self_test_names_a_class_workaround_whose_upstream_moved():
+    from crossalign.backends.local import mcore_cpu
+
+    moved = mcore_cpu.Workaround("megatron.core.transformer.moe.token_dispatcher", "cuda_dtoh_stream", "a reason",
+                                 lambda: None, "torch.cuda.Stream(priority=1)", owner="MoEAlltoAllTokenDispatcher")
+    with pytest.raises(mcore_cpu.MegatronCpuError, match=r"token_dispatcher\.MoEAlltoAllTokenDispatcher\."
+                                                         r"cuda_dtoh_stream: 'torch\.cuda\.Stream\(priority=1\)'"):
+        mcore_cpu.self_test((moved,))
+
+
+def test_sequence_parallel_norms_are_marked_for_the_tensor_rank_reduction():
+    """As TE's norms are: finalize_model_grads sums the grads of weights marked sequence_parallel."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from crossalign.backends.local.mcore_cpu import megatron_core_on_cpu
+    from crossalign.backends.local.mcore_model import transformer_config
+
+    config = load_config("qwen35_dense_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.cards_per_node=2",
+                                               "parallel.megatron.sequence_parallel=true"])
+    with megatron_core_on_cpu(seed=1):
+        norm = WrappedTorchNorm(config=transformer_config(config.model, config.training,
+                                                          layout=config.parallel.megatron), hidden_size=8)
+        assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+
+
+def test_each_data_parallel_rank_takes_its_micro_batches_as_megatrons_sampler_deals_them():
+    from crossalign.backends.local.mcore_trainer import data_parallel_share
+
+    tokens = torch.arange(8).view(8, 1)
+    assert [t.view(-1).tolist() for t in data_parallel_share(tokens, 2, 2, 1)] == [[2, 3], [6, 7]]
+    assert [t.view(-1).tolist() for t in data_parallel_share(tokens, 2, 1, 0)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
