@@ -40,7 +40,7 @@ def test_overrides_are_applied_and_validated():
     ("training.trian_iters=3", "training.trian_iters: unknown field"),
     ("training.train_iters=0", "training.train_iters"),
     ("training.train_iters", "expected KEY=VALUE"),
-    ("runtime.x=1", "keys start with 'model.' or 'training.'"),
+    ("runtime.x=1", "keys start with 'model.', 'training.' or 'parallel.'"),
     ("training.lr.x=1", "training.lr is not a config section"),
     ("training.train_iters=[1", "not valid YAML"),
 ])
