@@ -227,6 +227,34 @@ def fork_task(module: str, classes: list[str], path: str, log: Path) -> None:
         _unlog(handler)
 
 
+def modules_task(dense: str, moe: str, weights: str, inputs: str, out: str, log: Path) -> None:
+    """MindFormers' pynative gated MLP and gated shared expert in fp32 on the given weights and input.
+
+    (Its MoE layer does not run on CPU: the router's top-k is an Ascend kernel, TopkExt.)
+    """
+    import mindspore as ms
+    import numpy as np
+    from mindformers.pynative.layers.linear import Linear
+    from mindformers.pynative.transformers.mlp import MLP, MLPSubmodules
+    from mindformers.pynative.transformers.moe.shared_experts import SharedExpertMLP
+
+    def fp32(path: str) -> dict:
+        return public({**yaml.safe_load(Path(path).read_text())["model"], "compute_dtype": "float32"})
+
+    arrays = np.load(weights)
+    x = ms.Tensor(np.load(inputs))
+    outputs = {}
+    for name, module in (("mlp", MLP(convert(fp32(dense), log), MLPSubmodules(linear_fc1=Linear, linear_fc2=Linear))),
+                         ("shared_experts", SharedExpertMLP(convert(fp32(moe), log),
+                                                            MLPSubmodules(linear_fc1=Linear, linear_fc2=Linear)))):
+        own = {key: ms.Parameter(ms.Tensor(arrays[f"{name}.{key}"]), name=key)
+               for key, _ in module.parameters_and_names()}
+        unloaded, _ = ms.load_param_into_net(module, own, strict_load=True)
+        assert not unloaded, unloaded
+        outputs[name] = module(x).asnumpy()
+    np.savez(out, **outputs)
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(job["result"]).parent
@@ -243,6 +271,9 @@ def main() -> None:
         skip_warnings(job["skip_steps"], workdir / "skip.log")
     for name, spec in job.get("forks", {}).items():
         fork_task(spec["module"], spec["classes"], spec["yaml"], workdir / f"fork_{name}.log")
+    if "modules" in job:
+        spec = job["modules"]
+        modules_task(spec["dense"], spec["moe"], spec["weights"], spec["input"], spec["out"], workdir / "modules.log")
     if "save" in job:
         save_task(job["save"]["yaml"], Path(job["save"]["dir"]), workdir / "save.log")
     if "load" in job:

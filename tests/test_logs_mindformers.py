@@ -179,11 +179,13 @@ def test_mtp_loss_is_read_by_the_release_rule(tmp_path):
 
 def test_skipped_nan_steps_shift_the_applied_lr(tmp_path):
     """[SkipStepOnNaN] (2.1.0 pynative/trainer/trainer.py:1966): the skipped steps leave the optimizer's lr behind."""
-    warning = ("2026-11-29 15:28:32,602 - mindformers/out/log[mindformers/pynative/trainer/trainer.py:1966] - WARNING - "
+    warning = ("2026-11-29 15:28:32,602 - mindformers/out/log[mindformers/pynative/trainer/trainer.py:1966] - "
+               "WARNING - "
                "[SkipStepOnNaN] Global gradient norm is nan at step {k}, skipping the optimizer update "
                "(consecutive skipped: 1, total skipped: {n}).")
     lr = [1e-4 * k for k in range(1, 7)]  # printed at step k: the schedule at k
-    log = _pynative_log(tmp_path, "skip.log", MTP[:6], lr, extra={2: warning.format(k=2, n=1), 4: warning.format(k=4, n=2)})
+    log = _pynative_log(tmp_path, "skip.log", MTP[:6], lr,
+                        extra={2: warning.format(k=2, n=1), 4: warning.format(k=4, n=2)})
     df = parse_mindformers_log(log)
     assert df.attrs["skipped_steps"] == [2, 4]
     # row s: the lr applied at s + 1 = the schedule at the updates done before it: s - (skipped <= s)

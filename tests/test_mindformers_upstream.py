@@ -12,6 +12,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -68,7 +69,8 @@ FORK_FIELDS = {"attention_output_gate", "linear_attention_freq", "linear_conv_ke
 def generated(tmp: Path, name: str, mode: str = "align") -> str:
     config = load_config(name)
     kwargs = {"load_dir": "/ckpt"} if mode == "align" else {"save_dir": "/out"}
-    return str(dump_yaml(mindformers_yaml(config, mode=mode, data_prefix="/data/p", **kwargs), tmp / f"{name}_{mode}.yaml"))
+    data = mindformers_yaml(config, mode=mode, data_prefix="/data/p", **kwargs)
+    return str(dump_yaml(data, tmp / f"{name}_{mode}.yaml"))
 
 
 def fork_module(root: Path) -> str:
@@ -79,6 +81,20 @@ def fork_module(root: Path) -> str:
     report = apply_patch(load_patch("mindformers-qwen35-loss-logging"), root, tuple(FORK_CLASSES.values()))
     assert report.status == "applied" and "get_gpt_transformer_config" in path.read_text(), report
     return str(path)
+
+
+def module_inputs(tmp: Path, models: dict[str, str]) -> dict:
+    """Seeded weights for the gated MLP (dense config) and the gated shared expert (MoE config), and an input."""
+    rng = np.random.default_rng(1234)
+    dense, moe = load_config("qwen35_dense_tiny").model, load_config("qwen35_moe_tiny").model
+    h, f, s = dense.hidden_size, dense.ffn_hidden_size, moe.moe_shared_expert_intermediate_size
+    shapes = {"mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f),
+              "shared_experts.linear_fc1.weight": (2 * s, h), "shared_experts.linear_fc2.weight": (h, s),
+              "shared_experts.shared_experts_gate.weight": (1, h)}
+    np.savez(tmp / "weights.npz", **{k: (0.1 * rng.standard_normal(v)).astype(np.float32) for k, v in shapes.items()})
+    np.save(tmp / "input.npy", rng.standard_normal((8, 2, h)).astype(np.float32))  # [seq, batch, hidden]
+    return {"dense": models["qwen35_dense_tiny"], "moe": models["qwen35_moe_tiny"], "weights": str(tmp / "weights.npz"),
+            "input": str(tmp / "input.npy"), "out": str(tmp / "modules_out.npz")}
 
 
 @pytest.fixture(scope="module", params=RELEASES)
@@ -95,6 +111,7 @@ def release(request, tmp_path_factory):
                         "no_shared_expert_num": {"yaml": moe, "changes": {"shared_expert_num": None}}},
            "loss_lines": {"yaml": moe, "lr": LR, "steps": STEPS},
            "save": {"yaml": moe, "dir": str(tmp / "saved")},
+           "modules": module_inputs(tmp, models),
            "forks": {kind: {"module": fork, "classes": [name], "yaml": models["qwen35_dense_tiny"]}
                      for kind, name in FORK_CLASSES.items()}}
     if version >= "2.1.0":
@@ -226,7 +243,7 @@ def test_r190_rejects_the_generated_yaml_and_is_not_supported(tmp_path):
     assert "Unknown configuration keys for ParallelismConfig" in result["loads"]["moe"]
     assert "data_parallel_shard" in result["loads"]["moe"] and "expert_parallel" in result["loads"]["moe"]
     config = load_config("qwen35_moe_tiny", ["training.mindformers_version=1.9.0"])
-    with pytest.raises(BackendSetupError, match="training.mindformers_version: MindFormers 1.9.0: releases before 2.0.0"):
+    with pytest.raises(BackendSetupError, match="mindformers_version: MindFormers 1.9.0: releases before 2.0.0"):
         mindformers_yaml(config, mode="align", data_prefix="/d", load_dir="/c")
 
 
@@ -267,3 +284,22 @@ def test_checkpoint_callback_output_is_read_and_crossalign_output_loads(release,
     # (checkpoint/checkpoint.py: load_checkpoint's filter_func): the step's checks cannot rest on its messages
     text = (tmp_path / "work" / "load.log").read_text()
     assert "Loading Checkpoint Finished" in text and "not_in_the_model" not in text
+
+
+def test_our_gated_mlp_and_shared_expert_equal_mindformers_own_modules(release):
+    """crossalign's MindSpore model (backends/local/ms_model.py) against MindFormers' pynative MLP and
+    SharedExpertMLP, fp32 on CPU, same weights and input (its MoE router runs on Ascend kernels only)."""
+    import mindspore as ms
+
+    from crossalign.backends.local.ms_model import MLP, SharedExperts
+
+    _, _, work = release
+    weights, x = np.load(work.parent / "weights.npz"), np.load(work.parent / "input.npy")
+    theirs = np.load(work.parent / "modules_out.npz")
+    dense, moe = load_config("qwen35_dense_tiny").model, load_config("qwen35_moe_tiny").model
+    ours = {"mlp": MLP(dense.hidden_size, dense.ffn_hidden_size),
+            "shared_experts": SharedExperts(moe.hidden_size, moe.moe_shared_expert_intermediate_size, gated=True)}
+    for name, module in ours.items():
+        ms.load_param_into_net(module, {key: ms.Parameter(ms.Tensor(weights[f"{name}.{key}"]), name=key)
+                                        for key, _ in module.parameters_and_names()}, strict_load=True)
+        np.testing.assert_allclose(module(ms.Tensor(x)).asnumpy(), theirs[name], rtol=1e-5, atol=1e-6, err_msg=name)

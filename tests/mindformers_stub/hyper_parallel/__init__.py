@@ -30,7 +30,8 @@ STUBBED: dict[str, tuple[str, ...]] = {
                                                   "checkpoint_wrapper", "swap_wrapper"),
     "hyper_parallel.core.context_parallel.async_context_parallel": ("AsyncContextParallel",),
     "hyper_parallel.core.context_parallel.async_dsa_context_parallel": (
-        "AsyncDSAIndexerContextParallel", "AsyncDSAIndexerLossContextParallel", "AsyncDSASparseAttentionContextParallel"),
+        "AsyncDSAIndexerContextParallel", "AsyncDSAIndexerLossContextParallel",
+        "AsyncDSASparseAttentionContextParallel"),
     "hyper_parallel.core.context_parallel.context_parallel": ("ContextParallel",),
     "hyper_parallel.core.context_parallel.dsa_context_parallel": (
         "DSAIndexerContextParallel", "DSAIndexerLossContextParallel", "DSASequenceReplicateCache",
