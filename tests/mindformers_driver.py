@@ -10,8 +10,9 @@ What is not MindFormers' own code here, and why:
   alias table (``COMMON_CONFIG_MAPPING``), since Qwen3 is dense. The GatedDeltaNet and attention-gate
   keys (``FORK_ONLY``) are left out of the build: no public TransformerConfig knows them, so every
   layer is full attention;
-- ``LossCallback._print_log`` and ``Trainer._should_skip_optimizer_step`` are called with the values a
-  training step would hand them (a full training step needs NPU kernels).
+- ``LossCallback.on_step_end``, graph mode's ``MFLossMonitor.print_output_info`` and
+  ``Trainer._should_skip_optimizer_step`` are called with the values a training step would hand them
+  (a full training step needs NPU kernels).
 """
 
 from __future__ import annotations
@@ -255,6 +256,27 @@ def modules_task(dense: str, moe: str, weights: str, inputs: str, out: str, log:
     np.savez(out, **outputs)
 
 
+def graph_lines(steps: list[dict], log: Path) -> None:
+    """Graph mode's MFLossMonitor.print_output_info (its own format and logger) for each step's values,
+    sink mode, with a fixed float lr (its lr schedule is evaluated only on Ascend)."""
+    import numpy as np
+    from mindformers.core.callback.callback import MFLossMonitor
+
+    monitor = MFLossMonitor(learning_rate=steps[0]["lr"], origin_epochs=1, dataset_size=len(steps),
+                            print_separate_loss=True, is_moe_model=True, is_mtp_model=True)
+    monitor.print_separate_loss = True  # what it keeps for an mcore (use_legacy: False) model; here no model is set
+    handler = _log_to(log)
+    try:
+        for v in steps:
+            monitor.print_output_info(SimpleNamespace(dataset_sink_mode=True), 1, 1, 0.65, v["step"], len(steps),
+                                      v["loss"], 1530, False, 1.0, 100.0, 100.0 * v["step"] / len(steps),
+                                      np.array([v["grad_norm"]], np.float32), np.array([v["lm_loss"]], np.float32),
+                                      np.array([v["aux"]], np.float32), np.array([v["mtp"]], np.float32),
+                                      np.array([0.0], np.float32))
+    finally:
+        _unlog(handler)
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     workdir = Path(job["result"]).parent
@@ -274,6 +296,8 @@ def main() -> None:
     if "modules" in job:
         spec = job["modules"]
         modules_task(spec["dense"], spec["moe"], spec["weights"], spec["input"], spec["out"], workdir / "modules.log")
+    if "graph_lines" in job:
+        graph_lines(job["graph_lines"], workdir / "graph_lines.log")
     if "save" in job:
         save_task(job["save"]["yaml"], Path(job["save"]["dir"]), workdir / "save.log")
     if "load" in job:

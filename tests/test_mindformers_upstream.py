@@ -34,6 +34,9 @@ STEPS = [{"step": 1, "max_steps": 3, "loss": 7.5, "aux": 1.01, "mtp": [7.6], "gr
          {"step": 2, "max_steps": 3, "loss": 7.4, "aux": "nan", "mtp": ["nan"], "grad_norm": "nan"},
          {"step": 3, "max_steps": 3, "loss": 7.3, "aux": 1.02, "mtp": [7.5], "grad_norm": 1.4}]
 SKIPPED = [2]
+GRAPH_STEPS = [{"step": k, "loss": 11.9 - 0.1 * k, "lm_loss": 11.5 - 0.1 * k, "aux": 1.0123,
+                "mtp": 0.3 * (11.6 - 0.1 * k), "grad_norm": 3.25, "lr": 9.9e-05}  # mtp_loss scaled by factor 0.3
+               for k in (1, 2, 3)]
 FORK = """
 from mindspore import nn
 from mindformers.parallel_core.utils.model_mixin import ModelMixin, TrainModelMixin
@@ -112,6 +115,7 @@ def release(request, tmp_path_factory):
            "loss_lines": {"yaml": moe, "lr": LR, "steps": STEPS},
            "save": {"yaml": moe, "dir": str(tmp / "saved")},
            "modules": module_inputs(tmp, models),
+           "graph_lines": GRAPH_STEPS,
            "forks": {kind: {"module": fork, "classes": [name], "yaml": models["qwen35_dense_tiny"]}
                      for kind, name in FORK_CLASSES.items()}}
     if version >= "2.1.0":
@@ -303,3 +307,16 @@ def test_our_gated_mlp_and_shared_expert_equal_mindformers_own_modules(release):
         ms.load_param_into_net(module, {key: ms.Parameter(ms.Tensor(weights[f"{name}.{key}"]), name=key)
                                         for key, _ in module.parameters_and_names()}, strict_load=True)
         np.testing.assert_allclose(module(ms.Tensor(x)).asnumpy(), theirs[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_graph_mode_monitor_lines_are_read(release):
+    """MFLossMonitor's lines: the total 'loss' is not compared, lm_loss is; mtp_loss is divided by its factor."""
+    _, _, work = release
+    frame = parse_mindformers_log(work / "graph_lines.log", mtp_loss_scaling_factor=0.3)
+    assert frame.attrs["format"] == "mindformers-graph" and frame["step"].tolist() == [1, 2, 3]
+    np.testing.assert_allclose(frame["lm_loss"], [s["lm_loss"] for s in GRAPH_STEPS], atol=1e-6)
+    np.testing.assert_allclose(frame["mtp_1_loss"], [s["mtp"] / 0.3 for s in GRAPH_STEPS], atol=1e-5)
+    np.testing.assert_allclose(frame["aux_loss"], 1.0123, atol=1e-6)
+    np.testing.assert_allclose(frame["grad_norm"], 3.25, atol=1e-6)
+    np.testing.assert_allclose(frame["lr"], 9.9e-05)
+    assert frame.attrs["lr_step_offset"] == 0
