@@ -253,7 +253,7 @@ def test_r190_rejects_the_generated_yaml_and_is_not_supported(tmp_path):
 
 def test_checkpoint_callback_output_is_read_and_crossalign_output_loads(release, tmp_path):
     """CheckpointCallback's save (model + pynative AdamW after step 2 of 3) read by crossalign; crossalign's
-    checkpoint, every value changed, loaded by MindFormers' load_checkpoint into a fresh model."""
+    checkpoint of new values loaded by MindFormers' load_checkpoint into a fresh model."""
     version, result, work = release
     saved = read_mindformers_checkpoint(work.parent / "saved")
     built = result["models"]["qwen35_moe_tiny"]["parameters"]
@@ -271,8 +271,11 @@ def test_checkpoint_callback_output_is_read_and_crossalign_output_loads(release,
         assert saved.tensor(name).dtype == torch.float32
 
     stored = {info.name: info for file in saved.model_files for info in read_header(file)[0]}
-    changed = {name: (saved.tensor(name) + 0.5).to(torch.bfloat16 if stored[name].dtype == "BF16" else torch.float32)
-               for name in saved.model_entries()}
+    # new seeded values (the saved ones are whatever memory the un-initialised pynative parameters held)
+    generator = torch.Generator().manual_seed(1234)
+    changed = {name: torch.randn(info.shape, generator=generator).to(
+        torch.bfloat16 if stored[name].dtype == "BF16" else torch.float32)
+        for name, info in saved.model_entries().items()}
     changed.update(saved.buffer_state())
     extra = "decoder.layers.0.mlp.not_in_the_model.weight"
     root = tmp_path / "ours"
