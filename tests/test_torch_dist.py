@@ -1,9 +1,9 @@
 """Megatron torch_dist checkpoints, proved against megatron-core 0.16.1's own dist_checkpointing.
 
 crossalign writes a torch_dist checkpoint (ms2mg --format torch_dist) for one layout, and
-megatron-core loads it into its GPTModel built at other layouts (TP 2, EP 2: two gloo processes
-on the CPU), where every parameter must equal, bit for bit, the shard that crossalign's legacy
-layout rules give that rank. megatron-core then saves from that layout, and mg2ms turns its
+megatron-core loads it into its GPTModel built at other layouts (TP 2, PP 2, EP 2: two gloo
+processes on the CPU), where every parameter must equal, bit for bit, the shard that
+crossalign's legacy layout rules give that rank. megatron-core then saves from that layout, and mg2ms turns its
 checkpoint back into the MindSpore source, bf16 bit for bit.
 """
 
@@ -96,16 +96,17 @@ def test_torch_dist_takes_no_layout_and_bad_folders_are_named(tmp_path, bf16_sou
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-LAYOUTS = {"tp2": {"tensor": 2, "expert_tensor": 2}, "ep2": {"expert": 2, "expert_tensor": 1}}
+LAYOUTS = {"tp2": {"tensor": 2, "expert_tensor": 2}, "pp2": {"pipeline": 2, "expert_tensor": 1},
+           "ep2": {"expert": 2, "expert_tensor": 1}}
 
 
 def _load_and_save(rank: int, world: int, folder: str, source: str, checkpoint: str) -> None:
     """One rank: for each layout, megatron-core loads crossalign's torch_dist, checks it, and saves it again.
 
-    Both layouts run in the same two processes (one gloo group after the other), so that
+    The layouts run in the same two processes (one gloo group after the other), so that
     importing megatron-core is paid once.
     """
-    from crossalign.backends.local.mcore_cpu import ProcessGroup, megatron_core_on_cpu
+    from crossalign.backends.local.mcore_cpu import CudaLiteralsToCpu, ProcessGroup, megatron_core_on_cpu
     from crossalign.backends.local.mcore_model import Shard, build_gpt_model, load_converted_state
     from crossalign.checkpoint.convert import mindformers_to_megatron
     from crossalign.checkpoint.torch_dist import load_sharded, save_sharded
@@ -116,9 +117,10 @@ def _load_and_save(rank: int, world: int, folder: str, source: str, checkpoint: 
     for name, sizes in LAYOUTS.items():
         layout = MegatronParallel(**sizes, cards_per_node=world)
         with megatron_core_on_cpu(1, ProcessGroup(rank, world, f"file://{folder}/rendezvous-{name}", **sizes)):
-            loaded = build_gpt_model(MOE, CONFIG.training, bf16=True, layout=layout).to(torch.bfloat16)
+            with CudaLiteralsToCpu():  # the pipeline's stages share the MTP embedding with .cuda()
+                loaded = build_gpt_model(MOE, CONFIG.training, bf16=True, layout=layout).to(torch.bfloat16)
+                expected = build_gpt_model(MOE, CONFIG.training, bf16=True, layout=layout).to(torch.bfloat16)
             load_sharded(loaded, Path(checkpoint), MOE, CORE)
-            expected = build_gpt_model(MOE, CONFIG.training, bf16=True, layout=layout).to(torch.bfloat16)
             load_converted_state(expected, full, MOE, CORE, Shard.of_this_process(layout))
             got, want = loaded.state_dict(), expected.state_dict()
             differ = [key for key in want if not key.endswith("_extra_state") and not torch.equal(got[key], want[key])]
@@ -130,7 +132,8 @@ def _load_and_save(rank: int, world: int, folder: str, source: str, checkpoint: 
 
 @pytest.mark.slow
 def test_megatron_core_loads_it_at_other_layouts_and_its_own_saves_convert_back(tmp_path, torch_dist, bf16_source):
-    """Written at TP 1 / EP 1; loaded at TP 2 and at EP 2, each in two processes; saved there by megatron-core."""
+    """Written at TP 1 / PP 1 / EP 1; loaded at TP 2, PP 2 and EP 2, each in two processes; saved there by
+    megatron-core."""
     out, _ = torch_dist
     for name in LAYOUTS:
         (tmp_path / name / "iter_0000004").mkdir(parents=True)

@@ -108,6 +108,14 @@ def legacy_state(tensors: Mapping[str, torch.Tensor], model: ModelConfig,
     return state
 
 
+def _sharded_state_dict(net) -> dict:
+    """The model's sharded state dict with the metadata Megatron's training passes (its data-parallel group):
+    GPTModel needs it to tie the MTP stage's copy of the embedding when that stage is not the first."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    return net.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+
+
 def _sharded_keys_as_te(sharded: dict, model: ModelConfig, core_version: str) -> dict:
     """The local model's sharded state dict with the fused norms under TE's keys (what a GPU run loads)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -146,14 +154,14 @@ def save_sharded(net, folder: Path, model: ModelConfig, core_version: str) -> No
     from megatron.core import dist_checkpointing
 
     with _cpu_writer():
-        dist_checkpointing.save(_sharded_keys_as_te(net.sharded_state_dict(), model, core_version), str(folder))
+        dist_checkpointing.save(_sharded_keys_as_te(_sharded_state_dict(net), model, core_version), str(folder))
 
 
 def load_sharded(net, folder: Path, model: ModelConfig, core_version: str) -> None:
     """megatron-core's ``dist_checkpointing.load`` of a torch_dist folder into a built model (any layout)."""
     from megatron.core import dist_checkpointing
 
-    sharded = _sharded_keys_as_te(net.sharded_state_dict(), model, core_version)
+    sharded = _sharded_keys_as_te(_sharded_state_dict(net), model, core_version)
     with _cpu_writer():
         loaded = dist_checkpointing.load(sharded, str(folder))
     net.load_state_dict(loaded, strict=True)
