@@ -149,3 +149,19 @@ def test_an_ep_rank_whose_replicated_tensors_differ_is_named(tmp_path, source):
     with pytest.raises(CheckpointError, match=r"mp_rank_00_001.*'decoder.layers.2.mlp.router.weight' differs from "
                                               "expert-parallel rank 0's"):
         read_megatron_checkpoint(out, MOE)
+
+
+def test_cli_writes_an_expert_parallel_layout(tmp_path, source):
+    from typer.testing import CliRunner
+
+    from crossalign.cli import app
+
+    result = CliRunner().invoke(app, ["convert", "--model", "qwen35_moe_tiny", "--direction", "ms2mg", "--input",
+                                      str(source), "--output", str(tmp_path / "mg"), "--ep", "2", "--tp", "2",
+                                      "--etp", "1"])
+    assert result.exit_code == 0, result.output
+    assert "torch tp=2 pp=1 ep=2" in result.output
+    assert read_megatron_checkpoint(tmp_path / "mg", MOE).ep == 2
+    bad = CliRunner().invoke(app, ["convert", "--model", "qwen35_moe_tiny", "--direction", "ms2mg", "--input",
+                                   str(source), "--output", str(tmp_path / "x"), "--ep", "3"])
+    assert bad.exit_code == 2 and "expert parallel size 3" in bad.output
