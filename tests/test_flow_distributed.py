@@ -25,7 +25,7 @@ from crossalign.store import STEPS, RunStore
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["training.base_train_iters=3", "training.train_iters=5", "training.seq_length=64",
+TINY = ["training.base_train_iters=3", "training.train_iters=20", "training.seq_length=64",
         "training.global_batch_size=2", "training.micro_batch_size=2", "training.lr_warmup_iters=2"]
 POOLS = ("orchestrator", "npu", "cpu", "gpu")
 DAG_TIMEOUT_S = 420
@@ -155,7 +155,7 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
     assert run.manifest("pynative-train")["pid"] != killed
     summary = json.loads((run.step_dir("compare") / "summary.json").read_text())
     assert summary["verdict"] == "pass"
-    assert run.config.training.train_iters == 5 and run.config.training.base_train_iters == 3
+    assert run.config.training.train_iters == 20 and run.config.training.base_train_iters == 3
 
     with get_client(sync_client=True) as client:
         children = _flow_runs_by_name(client, run_id)
@@ -186,7 +186,7 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
         megatron = children[f"{run_id}-megatron-train"]
         logs = [entry.message for entry in client.read_logs(
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[megatron.id])))]
-        assert any("megatron-train iteration 5/5: lm_loss" in line for line in logs), logs[-20:]
+        assert any("megatron-train iteration 20/20: lm_loss" in line for line in logs), logs[-20:]
         progress = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
             "megatron-train-progress"])))
         assert progress and progress[-1].type == "progress" and float(progress[-1].data) == 100.0
@@ -197,8 +197,8 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
         assert {a.flow_run_id for a in report} == {parent.id}, "the parent shows them"
         live = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
             "live-alignment"]))) if a.flow_run_id == parent.id]
-        # the live comparison: one artifact, shown while megatron-train still ran, updated in place to step 5
-        assert len(live) == 1 and "steps 1-5 of 5 compared" in live[0].data, live
+        # the live comparison: one artifact, shown while megatron-train still ran, updated in place to step 20
+        assert len(live) == 1 and "steps 1-20 of 20 compared" in live[0].data, live
         assert live[0].created < megatron.end_time and live[0].updated > live[0].created
         shown = {a.key: a for a in report}
         rows = json.loads(shown["alignment-steps"].data)
