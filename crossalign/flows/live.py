@@ -139,6 +139,17 @@ def _done(future) -> bool:
     return future.wrapped_future.done()
 
 
+def _training(run: Run, futures: dict[str, Any]) -> list[str]:
+    """The trainings that are still training: not ended, and not already committed (a step skipped as done
+    leaves its future running for a moment, with nothing to stop)."""
+    return [step for step in STOPPABLE if not _done(futures[step]) and not _committed(run, step)]
+
+
+def _committed(run: Run, step: str) -> bool:
+    manifest = run.manifest(step)
+    return manifest is not None and manifest.get("status") == "done"
+
+
 def _failed_side(futures: dict[str, Any]) -> Decision | None:
     """One training failed while the other still trains: nothing left to compare it with."""
     for step in STOPPABLE:
@@ -164,7 +175,7 @@ def watch_training(run: Run, futures: dict[str, Any], *, mode: str, fail_fast: b
             snapshot = comparison.update()
             current = comparison.snapshot
             decision = current.decision or _failed_side(futures)
-            if decision is not None and fail_fast and not finished:
+            if decision is not None and fail_fast and _training(run, futures):
                 request_stop(run, decision.reason, rule=decision.rule, decided_at_step=decision.step,
                              requested_at=time.time())  # first: every moment lets the trainings go on
                 release(run)  # a held training sees the stop request first
