@@ -210,6 +210,7 @@ def test_train_through_run_script_and_launcher(tmp_path: Path, checkout: Path):
     request = request_for(tmp_path, steps)
     result = MegatronBackend(site=site_for(checkout)).train(request)
     assert result.iterations == 4 and result.log_path == request.log_path and result.checkpoint_dir is None
+    assert result.loaded_tensors_verified and result.loaded_tensors_verified > 0  # the compare step reads it
     assert [s[0] for s in steps] == [1, 2, 3, 4] and steps[0][1] == 4 and steps[0][2] == pytest.approx(7.59)
     log = request.log_path.read_text()
     assert "builder wrapped by launcher: True" in log  # 0.16.1: the MTP+GDN launcher ran pretrain_gpt.py

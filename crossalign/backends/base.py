@@ -59,6 +59,7 @@ class TrainResult:
     checkpoint_dir: Path | None
     iterations: int
     seconds: float
+    loaded_tensors_verified: int | None = None  # tensors the step's load digest held against init_checkpoint
 
 
 class TrainBackend(Protocol):

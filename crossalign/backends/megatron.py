@@ -579,10 +579,11 @@ class MegatronBackend(FrameworkBackend):
         status = self._runner(script, request.log_path, on_line)
         non_strict = verify_megatron_log(request.log_path, iterations=iterations, loaded=True, exit_status=status)
         try:
-            verify_load_digest(request.output_dir / LOAD_DIGEST_DIR, request.init_checkpoint, request.config)
+            verified = verify_load_digest(request.output_dir / LOAD_DIGEST_DIR, request.init_checkpoint,
+                                          request.config)
         except LoadDigestError as exc:
             retried = f" (Megatron loaded non-strictly and said nothing more: {non_strict})" if non_strict else ""
             raise BackendRunError(f"{exc}{retried}") from None
         return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
-                           iterations=iterations, seconds=time.monotonic() - start)
+                           iterations=iterations, seconds=time.monotonic() - start, loaded_tensors_verified=verified)
 

@@ -48,6 +48,10 @@ def compare(
         False, "--allow-any-format", help="Accept a log of either framework on either side (a Megatron log from "
         "MindSpeed on Ascend, two Megatron runs). Without it the NPU log must be MindFormers' and the GPU log "
         "Megatron's, and a log in the other side's format is refused (sides swapped)."),
+    load_verified: bool = typer.Option(
+        False, "--load-verified", help="The GPU run's loaded tensors were checked against its checkpoint (a load "
+        "digest): Megatron's non-strict load line ('load_return: None', printed by every TE model loading a "
+        "checkpoint without _extra_state entries) is then a note, not a reason for 'invalid'."),
 ) -> None:
     """Compare the losses of the two runs: exit 0 pass, 1 fail, 2 bad input or invalid (incomplete, not comparable)."""
     from rich.table import Table
@@ -62,7 +66,8 @@ def compare(
     given = {"megatron_core_version": megatron_core_version, "log_interval": log_interval,
              "expect_steps": expect_steps, "exclude_steps": _parse_steps(exclude_steps),
              "step_threshold": step_threshold, "mtp_loss_scaling_factor": mtp_loss_scaling_factor, "plot": plot,
-             "allow_any_format": allow_any_format}
+             "allow_any_format": allow_any_format,
+             "load_verified": "checked by the user (--load-verified)" if load_verified else None}
     with user_errors(LogFormatError, ConfigError, SideFormatError, ReportWriteError):
         check_out_dir(out)
         options = options_from_config(load_config(model), **given) if model else CompareOptions(

@@ -26,7 +26,8 @@ Three Megatron habits matter:
 - a loss whose average is NaN (or not positive before core 0.17) is not printed at all: read as NaN.
 
 A failed checkpoint load (``load_return: _IncompatibleKeys`` with real weights, "could not load
-the checkpoint", a start from random weights) makes the run invalid: ``attrs["invalid"]``.
+the checkpoint", a start from random weights) makes the run invalid: ``attrs["invalid"]``. A non-strict load (``load_return: None``, which names no key)
+is ``attrs["non_strict_load"]``: invalid for the comparison unless the loaded tensors were verified.
 """
 
 from __future__ import annotations
@@ -304,9 +305,12 @@ def _second_lines(steps: np.ndarray, cols: dict[str, np.ndarray], log_interval: 
     return found
 
 
-def _load_problems(path: Path, text: str) -> tuple[list[str], list[str]]:
-    """(reasons the run is invalid, notes) from the checkpoint-load messages in the log."""
-    invalid, notes = [], []
+def _load_problems(path: Path, text: str) -> tuple[list[str], list[str], list[str]]:
+    """(reasons the run is invalid, notes, non-strict loads) from the checkpoint-load messages in the log.
+
+    A non-strict load (``load_return: None``) names no key, so only a check of what was loaded can clear it:
+    the comparison counts it as invalid unless told the run's loaded tensors were verified."""
+    invalid, notes, non_strict = [], [], []
     for match in _INCOMPATIBLE_RE.finditer(text):
         missing = re.findall(r"'([^']*)'", match[1])
         unexpected = re.findall(r"'([^']*)'", match[2])
@@ -324,7 +328,7 @@ def _load_problems(path: Path, text: str) -> tuple[list[str], list[str]]:
     # what core 0.16-0.19 really print (backends/megatron.py); a literal scan first: the '^' regex cannot skip
     # ahead and costs about 0.3 s of CPU on a 100,000-step log
     for match in _NON_STRICT_RE.finditer(text) if "load_return: None" in text else ():
-        invalid.append(f"{path.name}:{line_of(text, match.start())[0]}: Megatron fell back to a non-strict checkpoint "
+        non_strict.append(f"{path.name}:{line_of(text, match.start())[0]}: Megatron fell back to a non-strict checkpoint "
                        "load (load_return: None names no key): which weights kept their random init only the "
                        "step's load digest can tell")
     for message in _NOT_LOADED_MESSAGES:
@@ -333,7 +337,7 @@ def _load_problems(path: Path, text: str) -> tuple[list[str], list[str]]:
             end = text.find("\n", at)
             line = text[at: end if end >= 0 else len(text)].strip()
             invalid.append(f"{path.name}: Megatron did not load the checkpoint: {line}")
-    return invalid, notes
+    return invalid, notes, non_strict
 
 
 def _segments(text: str) -> list[tuple[int, str]]:
@@ -400,7 +404,7 @@ def parse_megatron_text(path: Path, text: str, core_version: str | None = "0.16.
         else:
             readings.append(found)
     logged = [name for name, col in cols.items() if name != "step_time_ms" and not np.isnan(col).all()]
-    invalid, load_notes = _load_problems(path, text)
+    invalid, load_notes, non_strict = _load_problems(path, text)
     notes += load_notes
     if len(processes) > 1:
         notes.append(f"the Megatron log holds {len(processes)} process starts (restarts)")
@@ -418,7 +422,7 @@ def parse_megatron_text(path: Path, text: str, core_version: str | None = "0.16.
     df = finish_frame(path, "megatron", steps, cols, mtp_count, logged,
                       {"notes": notes, "invalid": invalid, "corrections": corrections, "unreadable": unreadable,
                        "lr_step_offset": 1, "core_version": core_version, "log_interval": interval,
-                       "iteration2": readings}, extras=list(extras))
+                       "iteration2": readings, "non_strict_load": non_strict}, extras=list(extras))
     for name in logged:
         if name.endswith("_loss"):
             missing = df["step"][df[name].isna()]

@@ -52,6 +52,7 @@ class CompareOptions:
     mindformers_version: str | None = None          # decides whether a pynative mtp_1_loss is scaled; None: as printed
     allow_any_format: bool = False                  # a log of either framework on either side (else refused)
     precision: str | None = None                    # "fp32" or "bf16" (both sides' arithmetic); None: taken as bf16
+    load_verified: str | None = None                # how the gpu run's loaded tensors were verified, if they were
     plot: bool = True
 
 
@@ -226,6 +227,17 @@ def _log_interval(frames: dict[str, pd.DataFrame], options: CompareOptions) -> i
     return max([int(f.attrs.get("log_interval") or 1) for f in frames.values()])
 
 
+def _settle_non_strict_loads(frames: dict[str, pd.DataFrame], options: CompareOptions, notes: list[str]) -> None:
+    """Megatron's non-strict loads make a log invalid, unless the run's loaded tensors were verified: then they
+    are a note (a TE model given a checkpoint without ``_extra_state`` entries always loads non-strictly)."""
+    for side, frame in frames.items():
+        lines = frame.attrs.get("non_strict_load", [])
+        if lines and options.load_verified:
+            notes.append(f"{side}: {'; '.join(lines)}; every weight was loaded all the same: {options.load_verified}")
+        elif lines:
+            frame.attrs["invalid"] = [*frame.attrs["invalid"], *lines]
+
+
 def _coverage(frames: dict[str, pd.DataFrame], merged: pd.DataFrame, options: CompareOptions) -> dict:
     """Which steps had to be compared and which were: steps 1..expect_steps, or by default the range
     of the longer log, on the Megatron logging grid (step 1 and every log_interval-th step)."""
@@ -269,6 +281,7 @@ def build_summary(npu: pd.DataFrame, gpu: pd.DataFrame,
     frames = {"npu": npu.copy(), "gpu": gpu.copy()}
     notes = ["relative error = |npu - gpu| / |gpu| per step (the gpu/Megatron side is the reference)"]
     iteration2 = _resolve_iteration2(frames, notes)
+    _settle_non_strict_loads(frames, options, notes)
     npu, gpu = frames["npu"], frames["gpu"]
     unusable = {k: f"{side}: {why}" for side, f in frames.items() for k, why in f.attrs.get("unusable", {}).items()}
     names = _series_names(frames, unusable)

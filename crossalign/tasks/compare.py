@@ -25,7 +25,11 @@ def compare(run: Run, site: SiteConfig | None = None) -> dict[str, Any]:
     npu_log = run.step_dir("pynative-train") / npu.get("details", {}).get("log", "train.log")
     gpu_log = run.step_dir("megatron-train") / gpu.get("details", {}).get("log", "train.log")
     with run.commit(STEP, command=step_command(run, STEP)) as out:
-        options = options_from_config(run.config, log_interval=DAG_LOG_INTERVAL)
+        verified = gpu.get("details", {}).get("loaded_tensors_verified")
+        options = options_from_config(
+            run.config, log_interval=DAG_LOG_INTERVAL,
+            load_verified=f"the megatron-train step's load digest held all {verified} loaded tensors against its "
+                          "checkpoint" if verified else None)
         implementations = {side: manifest["details"]["implementation"]
                            for side, manifest in (("npu", npu), ("gpu", gpu))
                            if manifest.get("details", {}).get("implementation")}
