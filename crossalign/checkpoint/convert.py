@@ -304,21 +304,7 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                               "(mg2ms reads either format)")
     check_output_dir(output_dir)
     start = time.perf_counter()
-    if direction == "ms2mg" and ckpt_format == "torch_dist":
-        source = read_mindformers_checkpoint(input_dir)
-        entries = source.model_entries()
-        iteration = source.iteration or 0
-        notes = _left_out_buffers(source, model)
-        plan = _forward_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, None,
-                             f"MindFormers checkpoint {source.directory}")
-        keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
-        state = _run(plan, lambda keys: [_cast(source.tensor(key), dtype) for key in keys], keys_in, True, progress)
-        _check_forward_output({k: tuple(v.shape) for k, v in state.items()}, model, core_version, experts, None)
-        keys_out, bytes_out = len(state), _nbytes(state.values())
-        stored = state["embedding.word_embeddings.weight"].dtype
-        written = write_torch_dist_checkpoint(output_dir, iteration, state, model, core_version, stored)
-        files = sorted(written.glob("*.distcp"))
-    elif direction == "ms2mg":
+    if direction == "ms2mg":
         source = read_mindformers_checkpoint(input_dir)
         entries = source.model_entries()
         iteration = source.iteration or 0
@@ -326,6 +312,14 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         plan = _forward_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, fault,
                              f"MindFormers checkpoint {source.directory}")
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
+    if direction == "ms2mg" and ckpt_format == "torch_dist":
+        state = _run(plan, lambda keys: [_cast(source.tensor(key), dtype) for key in keys], keys_in, True, progress)
+        _check_forward_output({k: tuple(v.shape) for k, v in state.items()}, model, core_version, experts, None)
+        keys_out, bytes_out = len(state), _nbytes(state.values())
+        stored = state["embedding.word_embeddings.weight"].dtype
+        written = write_torch_dist_checkpoint(output_dir, iteration, state, model, core_version, stored)
+        files = sorted(written.glob("*.distcp"))
+    elif direction == "ms2mg":
         if fault is None:
             specs = _forward_specs(plan, entries, model, core_version, experts, dtype)
             tensors: Iterable[tuple[str, torch.Tensor]] = _outputs(plan, _reused_reads(source), keys_in, True,

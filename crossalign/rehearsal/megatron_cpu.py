@@ -28,7 +28,7 @@ import inspect
 import runpy
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -238,20 +238,6 @@ def self_test() -> None:
         raise MegatronCpuError("Megatron-LM on CPU: " + "; ".join(problems))
 
 
-@contextlib.contextmanager
-def _applied(workarounds: Sequence[Workaround]) -> Iterator[None]:
-    saved = []
-    try:
-        for workaround in workarounds:
-            module = workaround.target()
-            saved.append((module, workaround.attribute, getattr(module, workaround.attribute, None)))
-            setattr(module, workaround.attribute, workaround.replacement())
-        yield
-    finally:
-        for module, attribute, original in reversed(saved):
-            setattr(module, attribute, original)
-
-
 def workarounds() -> list[tuple[str, str]]:
     """(name, reason) of every runtime stand-in, megatron-core's first: what the rehearsal report lists."""
     listed = [(w.name, w.reason) for w in (*mcore_cpu.WORKAROUNDS, *TRAINING_WORKAROUNDS)]
@@ -273,7 +259,8 @@ def main(argv: Sequence[str]) -> None:
     modes = [CudaToCpu()]
     if "--bf16" in argv:
         modes.append(mcore_cpu.CpuTensorTypesAsCuda())
-    with (mcore_cpu._patched(), _applied(TRAINING_WORKAROUNDS), contextlib.ExitStack() as stack):
+    with (mcore_cpu.applied(mcore_cpu.WORKAROUNDS), mcore_cpu.applied(TRAINING_WORKAROUNDS),
+          contextlib.ExitStack() as stack):
         for mode in modes:
             stack.enter_context(mode)
         sys.argv = [argv[0], *argv[1:]]

@@ -25,7 +25,7 @@ import contextlib
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -283,10 +283,11 @@ def self_test(workarounds: tuple[Workaround, ...] = WORKAROUNDS,
 
 
 @contextlib.contextmanager
-def _patched() -> Iterator[None]:
+def applied(workarounds: Sequence[Workaround]) -> Iterator[None]:
+    """Each workaround's attribute replaced while the block runs, the originals put back after."""
     saved = []
     try:
-        for workaround in WORKAROUNDS:
+        for workaround in workarounds:
             module = workaround.target()
             saved.append((module, workaround.attribute, getattr(module, workaround.attribute, None)))
             setattr(module, workaround.attribute, workaround.replacement())
@@ -358,7 +359,7 @@ def megatron_core_on_cpu(seed: int, group: ProcessGroup | None = None) -> Iterat
     dynamo_was_disabled = torch._dynamo.config.disable
     torch._dynamo.config.disable = True
     try:
-        with _patched():
+        with applied(WORKAROUNDS):
             if group is None:
                 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             else:
