@@ -56,6 +56,16 @@ def name_flow_run(name: str) -> None:
             client.update_flow_run(flow_run_id, name=name)
 
 
+def _flow_run_ui_url() -> str | None:
+    """The current flow run's page in the Prefect UI: PREFECT_UI_URL's, else the API's address without /api."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    base = settings.ui_url or (settings.api.url or "").removesuffix("/").removesuffix("/api")
+    flow_run_id = current_flow_run.get_id()
+    return f"{base}/runs/flow-run/{flow_run_id}" if base and flow_run_id else None
+
+
 @task(name="prepare-run", task_run_name="prepare-run", cache_policy=NO_CACHE)
 def prepare(store: str, config: str | None, run_id: str, overrides: list[str], dataset: DatasetFiles | None,
             rerun: list[str], mode: str, from_hf: str | None = None) -> str:
@@ -71,7 +81,7 @@ def prepare(store: str, config: str | None, run_id: str, overrides: list[str], d
                           from_hf=None if from_hf is None else Path(from_hf))
     logger.info(f"run {run.run_id} in {run.path} (dataset {run.dataset.prefix})")
     # the report links back to the flow run that carried the run out last
-    run.update_info(prefect_flow_run={"id": str(current_flow_run.get_id() or ""), "url": current_flow_run.ui_url})
+    run.update_info(prefect_flow_run={"id": str(current_flow_run.get_id() or ""), "url": _flow_run_ui_url()})
     if rerun:
         token = str(current_flow_run.get_id() or "")
         if token not in run.info.get("rerun_by", []):
