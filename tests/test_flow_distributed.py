@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, pynative_writing_pid, stop_process
+from test_live import RUN_TIMEOUT_S as LIVE_RUN_TIMEOUT_S, TINY as LIVE_TINY, _faulty_run
 from crossalign.agents.server import local_agents
 from crossalign.store import STEPS, RunStore
 
@@ -470,3 +471,31 @@ def test_automations_are_created_and_the_nightly_failure_alert_fires(stack, pref
 
 def _worker_logs(stack) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(stack["root"].glob("worker-*.log")))
+
+
+@pytest.mark.slow
+def test_fail_fast_through_the_deployments(stack, prefect_client_settings):
+    """Distributed: the trainings run as flow runs on the npu and gpu workers and stop on the request in the
+    shared store; the parent ends Failed with the reason, the children end without completing."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from crossalign.tasks.stop import read_stop
+
+    overrides = [*LIVE_TINY, "training.train_iters=200"]
+    run = _faulty_run({"store": stack["store"], "env": stack["env"]}, "fault-dist", overrides)
+    parent = run_deployment("alignment/dense-tiny", timeout=0, parameters={
+        "run_id": "fault-dist", "overrides": overrides, "store": str(stack["store"]), "poll_interval_s": 0.5})
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + LIVE_RUN_TIMEOUT_S
+        while not (final := client.read_flow_run(parent.id)).state.is_final() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert final.state.is_failed() and "stopped early at step 1 of 200" in final.state.message, final.state
+        children = {r.name: r for r in client.read_flow_runs() if r.name.startswith("fault-dist-")}
+    for step in ("megatron-train", "pynative-train"):
+        child = children[f"fault-dist-{step}"]
+        assert child.state.is_final() and not child.state.is_completed(), child.state
+        assert not run.is_done(step) and "stopped early" in run.attempt(step)["error"]
+    trained = {step: s["trained_steps"] for step, s in read_stop(run)["stopped"].items()}
+    assert all(1 <= n <= 10 for n in trained.values()), trained
+    assert (run.path / "live" / "report.html").exists() and "live/report.html" in final.state.message

@@ -22,7 +22,6 @@ from crossalign.logs import parse_log_text
 from crossalign.logs.synthetic import megatron_lines, mindformers_lines
 from crossalign.report.compare import CompareOptions, build_summary
 from crossalign.report.live import GrowingLog, decide
-from test_flow_distributed import stack  # noqa: F401 (the real stack: server, deployments, one worker per pool)
 
 CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))
 TINY = ["training.base_train_iters=3", "training.lr_warmup_iters=2", "training.seq_length=64",
@@ -246,31 +245,3 @@ def test_the_live_artifact_is_updated_in_place_while_both_sides_train(embedded, 
     assert len(seen_while_training) >= 2, seen_while_training
     final = _artifacts(prefect_server, parent.id)["live-alignment"]
     assert "steps 1-16 of 16 compared" in final.data and final.updated > final.created
-
-
-@pytest.mark.slow
-def test_fail_fast_through_the_deployments(stack, prefect_client_settings):
-    """Distributed: the trainings run as flow runs on the npu and gpu workers and stop on the request in the
-    shared store; the parent ends Failed with the reason, the children end without completing."""
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-
-    from crossalign.tasks.stop import read_stop
-
-    overrides = [*TINY, "training.train_iters=200"]
-    run = _faulty_run({"store": stack["store"], "env": stack["env"]}, "fault-dist", overrides)
-    parent = run_deployment("alignment/dense-tiny", timeout=0, parameters={
-        "run_id": "fault-dist", "overrides": overrides, "store": str(stack["store"]), "poll_interval_s": 0.5})
-    with get_client(sync_client=True) as client:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (final := client.read_flow_run(parent.id)).state.is_final() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert final.state.is_failed() and "stopped early at step 1 of 200" in final.state.message, final.state
-        children = {r.name: r for r in client.read_flow_runs() if r.name.startswith("fault-dist-")}
-    for step in ("megatron-train", "pynative-train"):
-        child = children[f"fault-dist-{step}"]
-        assert child.state.is_final() and not child.state.is_completed(), child.state
-        assert not run.is_done(step) and "stopped early" in run.attempt(step)["error"]
-    trained = {step: s["trained_steps"] for step, s in read_stop(run)["stopped"].items()}
-    assert all(1 <= n <= 10 for n in trained.values()), trained
-    assert (run.path / "live" / "report.html").exists() and "live/report.html" in final.state.message
