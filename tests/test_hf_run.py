@@ -23,7 +23,7 @@ from crossalign.tasks.prepare import code_version, hf_start
 
 REPO = Path(__file__).resolve().parent.parent
 CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))
-TINY = ["--set", "training.train_iters=4", "--set", "training.lr_warmup_iters=2", "--set", "training.seq_length=32",
+TINY = ["--set", "training.train_iters=20", "--set", "training.lr_warmup_iters=2", "--set", "training.seq_length=32",
         "--set", "training.global_batch_size=2",
         "--set", "training.micro_batch_size=2"]
 
