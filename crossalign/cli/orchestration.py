@@ -234,9 +234,13 @@ def _finish(run_id: str, root: Path, state) -> int:
 
     store = RunStore(root)
     run = store.run(run_id) if store.exists(run_id) else None
-    # a failed verdict ends the flow Failed with its outcome as data, not an exception
+    # a failed verdict ends the flow Failed with a RunOutcome as data: an outcome, not an error
+    from crossalign.flows.outcome import RunOutcome
+
     error = None if state.is_completed() else state.result(raise_on_failure=False)
-    if not isinstance(error, BaseException):
+    if isinstance(error, RunOutcome):
+        error = error.cause  # None for a verdict: an outcome, told by the run's summary
+    elif not isinstance(error, BaseException):
         error = None
     if isinstance(error, (ConfigError, StoreError, PreflightFailed)):
         err_console.print(f"[bold red]run {run_id}: invalid input:[/] {error}", highlight=False, soft_wrap=True)

@@ -22,7 +22,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.runtime import flow_run as current_flow_run
-from prefect.states import Completed, Failed, State
+from prefect.states import Completed, State
 
 from crossalign.backends.base import DatasetFiles
 from crossalign.backends.preflight import preflight_config
@@ -32,6 +32,7 @@ from crossalign.data.preflight import compare_sample_order
 from crossalign.flows.events import StepEvent, emit
 from crossalign.flows.launch import execute_deployment, execute_subprocess, step_timeout
 from crossalign.flows.live import stop_error, stopped_outcome, watch_training
+from crossalign.flows.outcome import failed
 from crossalign.flows.reporting import StepReporter
 from crossalign.flows.retry import backoff_delays, retry_on_infrastructure
 from crossalign.flows.summary import publish_compare, run_url, steps_table
@@ -223,7 +224,7 @@ def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = Non
         if config is not None:  # a bad config or override fails here, named as in the form
             resolve_config(config, overrides)
     except ConfigError as exc:
-        return Failed(message=form_error(exc), data=exc)
+        return failed(form_error(exc), cause=exc)
     return _align(config=config, run_id=run_id, overrides=overrides, store=store,
                   rerun=list(rerun or []), mode=mode, dataset_prefix=dataset_prefix, tokenizer=tokenizer,
                   retries=retries, retry_delay_s=retry_delay_s, step_timeout_s=step_timeout_s,
@@ -311,5 +312,5 @@ def _align(*, config: str | None, run_id: str, overrides: list[str], store: str 
     outcome = {"run_id": run_id, "verdict": verdict, "report_dir": str(run.step_dir("compare")), "report": where,
                "summary": summary}
     if verdict != "pass":
-        return Failed(message=message, data=outcome)
+        return failed(message, outcome)
     return Completed(message=message, data=outcome)

@@ -298,8 +298,7 @@ def _saved(run: Run, step: str, frame, total: int, stopped_at: float) -> dict[st
 def stopped_outcome(run: Run, decision: Decision, logger: Any):
     """Once both trainings ended: the report of what they logged, the savings, and the run's final state
     (Failed with the verdict in its message, as a failed verdict of step 6 ends it)."""
-    from prefect.states import Failed
-
+    from crossalign.flows.outcome import failed
     from crossalign.flows.summary import run_url
     from crossalign.report.render import write_outputs
 
@@ -340,5 +339,5 @@ def stopped_outcome(run: Run, decision: Decision, logger: Any):
     message = (f"run {run.run_id}: verdict fail, stopped early at step {decision.step} of {total}: {decision.reason}; "
                f"stopped {trained} ({stopped_in:.1f} s after the stop request); {savings}{where}")
     logger.warning(message)
-    return Failed(message=message, data={"run_id": run.run_id, "verdict": "fail", "report": report,
-                                         "stopped_early": read_stop(run)})
+    return failed(message, {"run_id": run.run_id, "verdict": "fail", "report": report,
+                            "stopped_early": read_stop(run)})

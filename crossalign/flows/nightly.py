@@ -14,10 +14,11 @@ from __future__ import annotations
 from datetime import date, datetime, timezone
 
 from prefect import flow, get_run_logger
-from prefect.states import Completed, Failed, State
+from prefect.states import Completed, State
 
 from crossalign.config import ConfigError
 from crossalign.flows.alignment import Mode, alignment, as_typed, form_error, name_flow_run
+from crossalign.flows.outcome import failed
 from crossalign.report.serve import store_url
 from crossalign.site import load_site
 from crossalign.store import RunStore, read_json
@@ -66,7 +67,7 @@ def nightly(configs: list[str] | None = None, overrides: list[str] | None = None
         for config in configs:  # a bad config or override fails the night before any run starts
             resolve_config(config, overrides)
     except ConfigError as exc:
-        return Failed(message=form_error(exc), data=exc)
+        return failed(form_error(exc), cause=exc)
     root = RunStore(store or load_site().store)
     history_path = root.root / "nightly" / "history.json"
     history = load_history(history_path)
@@ -105,8 +106,7 @@ def nightly(configs: list[str] | None = None, overrides: list[str] | None = None
         create_image_artifact(image_url=trend_url, key="nightly-trend", description="relative errors, night by night")
     outcome = {"night": today.isoformat(), "entries": entries, "history": str(history_path), "trend": str(trend)}
     if problems:
-        return Failed(message=f"nightly {today}: " + "; ".join(problems) + f" (trend: {trend_url or trend})",
-                      data=outcome)
+        return failed(f"nightly {today}: " + "; ".join(problems) + f" (trend: {trend_url or trend})", outcome)
     verdicts = ", ".join(f"{entry['model']} {entry['verdict']}" for entry in entries)
     return Completed(message=f"nightly {today}: {verdicts}; no regression (trend: {trend_url or trend})",
                      data=outcome)
