@@ -507,7 +507,14 @@ def new_run_id(model: str) -> str:
     The time says when it was started; the random suffix keeps two runs started in the same
     second (two users, a script) apart, which would otherwise share one folder and become one run.
     """
-    return check_run_id(f"{model}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}")
+    while True:  # one process never hands out an id twice; two processes collide once in 65,536 same-second pairs
+        run_id = check_run_id(f"{model}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:4]}")
+        if run_id not in _ISSUED_RUN_IDS:
+            _ISSUED_RUN_IDS.add(run_id)
+            return run_id
+
+
+_ISSUED_RUN_IDS: set[str] = set()
 
 
 def check_run_id(run_id: str) -> str:
