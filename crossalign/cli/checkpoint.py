@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from crossalign.cli.common import console, user_errors
+from crossalign.report.units import size_text
 
 
 def register(app: typer.Typer) -> None:
@@ -24,10 +25,6 @@ def _use_huge_pages() -> None:
     ``THP_MEM_ALLOC_ENABLE`` a conversion's upcast of the model runs about twice as fast.
     """
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**20:,.1f} MiB"
 
 
 def _progress():
@@ -55,7 +52,7 @@ def cast_bf16_command(
 
         result = cast_bf16(input_dir, output_dir, progress=report)
     console.print(f"cast {result.cast} of {result.tensors} tensors to bf16 in {len(result.files)} file(s): "
-                  f"{_size(result.bytes_in)} -> {_size(result.bytes_out)} in {result.seconds:.1f} s -> {output_dir}",
+                  f"{size_text(result.bytes_in)} -> {size_text(result.bytes_out)} in {result.seconds:.1f} s -> {output_dir}",
                   highlight=False)
     if result.buffers or result.optimizer_files:
         console.print(f"kept {result.buffers} buffer(s) and {len(result.optimizer_files)} optimizer file(s) "
@@ -119,7 +116,7 @@ def convert_command(
                 ckpt_format=ckpt_format)
     table = Table(title=f"{direction} {config.model.name} (core {version})", show_header=False)
     table.add_row("keys", f"{result.keys_in} in -> {result.keys_out} out")
-    table.add_row("bytes", f"{_size(result.bytes_in)} in -> {_size(result.bytes_out)} out ({dtype})")
+    table.add_row("bytes", f"{size_text(result.bytes_in)} in -> {size_text(result.bytes_out)} out ({dtype})")
     table.add_row("layout", f"{result.format} tp={result.tp} pp={result.pp} ep={result.ep}, iteration {result.iteration}, {len(result.files)} file(s)")
     table.add_row("time", f"{result.seconds:.1f} s")
     table.add_row("output", str(output_dir))
