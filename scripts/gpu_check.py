@@ -101,7 +101,7 @@ def first_batch(config: AlignmentConfig, prefix: Path) -> tuple[torch.Tensor, to
 def reference_losses(config: AlignmentConfig, checkpoint: Path, prefix: Path, device: str = "cpu",
                      delta_rule_form: str = "chunk") -> dict[str, float]:
     """Step-1 losses of our PyTorch model (fp32) from the converted Megatron checkpoint on global batch 1."""
-    from crossalign.backends.local.torch_model import GatedDeltaNet, Qwen35Model, load_megatron_state
+    from crossalign.models.torch_model import GatedDeltaNet, Qwen35Model, load_megatron_state
     from crossalign.checkpoint.megatron import read_megatron_checkpoint
 
     net = Qwen35Model(config.model, config.training.megatron_core_version)

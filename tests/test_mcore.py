@@ -325,7 +325,7 @@ def test_backend_trains_from_a_bf16_megatron_checkpoint_on_the_megatron_sample_o
     assert [(step, total) for step, total, _ in metrics] == [(1, 2), (2, 2)]
 
     # iteration 1 is the loss of the upcast bf16 weights on Megatron's first global batch, as our reference computes it
-    from crossalign.backends.local.torch_model import Qwen35Model
+    from crossalign.models.torch_model import Qwen35Model
 
     net = Qwen35Model(config.model)
     net.load_state_dict({key: value.float() for key, value in state.items()})

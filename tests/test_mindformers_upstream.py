@@ -294,11 +294,11 @@ def test_checkpoint_callback_output_is_read_and_crossalign_output_loads(release,
 
 
 def test_our_gated_mlp_and_shared_expert_equal_mindformers_own_modules(release):
-    """crossalign's MindSpore model (backends/local/ms_model.py) against MindFormers' pynative MLP and
+    """crossalign's MindSpore model (models/ms_model.py) against MindFormers' pynative MLP and
     SharedExpertMLP, fp32 on CPU, same weights and input (its MoE router runs on Ascend kernels only)."""
     import mindspore as ms
 
-    from crossalign.backends.local.ms_model import MLP, SharedExperts
+    from crossalign.models.ms_model import MLP, SharedExperts
 
     _, _, work = release
     weights, x = np.load(work.parent / "weights.npz"), np.load(work.parent / "input.npy")

@@ -11,12 +11,12 @@ import torch
 ms = pytest.importorskip("mindspore")
 from mindspore import Tensor  # noqa: E402
 
-from crossalign.backends.local.ms_gdn import (  # noqa: E402
+from crossalign.models.ms_gdn import (  # noqa: E402
     chunk_gated_delta_rule,
     compiled_chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from crossalign.backends.local.ms_model import (  # noqa: E402
+from crossalign.models.ms_model import (  # noqa: E402
     MoE,
     Qwen35Model,
     RotaryEmbedding,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from crossalign.backends.local.torch_model import (
+from crossalign.models.torch_model import (
     GatedDeltaNet,
     Qwen35Model,
     Router,
@@ -136,7 +136,7 @@ def test_gated_delta_rule_chunked_equals_recurrent_and_the_spec_recurrence():
     assert torch.allclose(chunk, recurrent, atol=2e-5, rtol=1e-4)
     assert chunk.abs().max() > 1e-2
 
-    from crossalign.backends.local.torch_model import gated_delta_rule
+    from crossalign.models.torch_model import gated_delta_rule
 
     b, t, h, d = 2, 70, 2, 8
     q = F.normalize(torch.randn(b, t, h, d), dim=-1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from crossalign.backends.base import DatasetFiles, TrainRequest
-from crossalign.backends.local.torch_model import Qwen35Model, StateDictMismatch
+from crossalign.models.torch_model import Qwen35Model, StateDictMismatch
 from crossalign.backends.local.torch_trainer import _optimizer, megatron_lr, run_training
 from crossalign.config import load_config
 

@@ -56,7 +56,7 @@ def torch_digests(state: Mapping[str, torch.Tensor]) -> dict[str, dict]:
 def split_stacked_experts(state: Mapping[str, torch.Tensor], num_experts: int | None) -> dict[str, torch.Tensor]:
     """The state with stacked routed experts ([E, out, in] under ``linear_fc{1,2}.weight``) split into
     ``weight0 .. weight{E-1}``, as TransformerEngine's load hook splits them (and every model holds them)."""
-    from crossalign.backends.local.torch_model import unstack_expert_weights
+    from crossalign.models.torch_model import unstack_expert_weights
 
     out = dict(state)
     if num_experts is not None:

@@ -168,7 +168,7 @@ def run_hf(ref: HFReference, batch: Batch) -> Outputs:
     """The forward contract through transformers' modules: logits, lm loss, MTP losses, aux loss."""
     import torch
 
-    from crossalign.backends.local.torch_model import masked_mean_cross_entropy, roll_left, switch_aux_loss
+    from crossalign.models.torch_model import masked_mean_cross_entropy, roll_left, switch_aux_loss
 
     routers: list[torch.Tensor] = []
     hooks = [module.register_forward_hook(lambda _m, _i, out: routers.append(out))

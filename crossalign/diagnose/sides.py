@@ -96,7 +96,7 @@ class Outputs:
 
 def build_mindspore(model: ModelConfig, state: Mapping[str, Any]) -> Any:
     """The MindSpore reference model with ``state`` (MindFormers names) loaded strictly."""
-    from crossalign.backends.local.ms_model import Qwen35Model, load_mindformers_state
+    from crossalign.models.ms_model import Qwen35Model, load_mindformers_state
 
     net = Qwen35Model(model)
     net.set_train(False)
@@ -128,7 +128,7 @@ def build_megatron(model: ModelConfig, state: Mapping[str, Any], core_version: s
     """
     import torch
 
-    from crossalign.backends.local.torch_model import Qwen35Model, load_megatron_state
+    from crossalign.models.torch_model import Qwen35Model, load_megatron_state
 
     torch.manual_seed(0)
     net = Qwen35Model(model, core_version=core_version)
@@ -144,7 +144,7 @@ def build_megatron(model: ModelConfig, state: Mapping[str, Any], core_version: s
 
 def _load_fitting(net: Any, state: Mapping[str, Any]) -> list[str]:
     """Load every key whose shape fits (after stacked experts are split), skip the rest; name what was skipped."""
-    from crossalign.backends.local.torch_model import unstack_expert_weights
+    from crossalign.models.torch_model import unstack_expert_weights
 
     expected = net.state_dict()
     incoming = {k: v for k, v in state.items() if not k.endswith("._extra_state")}

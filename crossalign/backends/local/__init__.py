@@ -1,1 +1,1 @@
-"""Embedded CPU backends: Qwen3.5 in MindSpore (MindFormers layout) and in PyTorch (Megatron layout), with trainers that log and save like the real frameworks."""
+"""Embedded CPU backends: trainers of the reference models (`crossalign.models`) and of megatron-core that log and save like the real frameworks."""

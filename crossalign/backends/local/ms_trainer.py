@@ -128,7 +128,7 @@ class _Trainer:
     def __init__(self, config: AlignmentConfig, state: dict):
         import mindspore as ms
 
-        from crossalign.backends.local.ms_model import Qwen35Model, load_mindformers_state
+        from crossalign.models.ms_model import Qwen35Model, load_mindformers_state
 
         self.config = config
         self.model = config.model
@@ -162,7 +162,7 @@ class _Trainer:
         """
         from mindspore import ops
 
-        from crossalign.backends.local.ms_model import MoE
+        from crossalign.models.ms_model import MoE
 
         counts: dict[str, np.ndarray] = {}
 
@@ -221,7 +221,7 @@ class _Trainer:
 
 def _verify_loaded(values: dict[str, np.ndarray], state: dict) -> None:
     """Hold what the net holds after loading against the state it was given, tensor by tensor (load digest)."""
-    from crossalign.backends.local.ms_model import _as_float32_array
+    from crossalign.models.ms_model import _as_float32_array
     from crossalign.checkpoint.digest import compare_loaded, entry, numpy_sha256
 
     loaded = {name: entry(value.shape, str(value.dtype), numpy_sha256(value)) for name, value in values.items()}

@@ -168,7 +168,7 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
                  batches: Sequence[np.ndarray]) -> TrainResult:
     """Train ``request.iterations`` steps from the Megatron ``state`` on ``batches`` (item i: the int64
     tokens [global_batch_size, seq_length + 1] of global batch i) and write the Megatron log."""
-    from crossalign.backends.local.torch_model import Qwen35Model, load_megatron_state
+    from crossalign.models.torch_model import Qwen35Model, load_megatron_state
 
     config, training = request.config, request.config.training
     model_config = config.model

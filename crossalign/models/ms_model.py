@@ -22,7 +22,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
-from crossalign.backends.local.ms_gdn import compiled_chunk_gated_delta_rule
+from crossalign.models.ms_gdn import compiled_chunk_gated_delta_rule
 from crossalign.checkpoint.mismatch import key_mismatches
 from crossalign.config import ModelConfig
 
