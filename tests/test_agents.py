@@ -126,7 +126,8 @@ def test_flow_runs_start_as_one_engine_process_of_this_interpreter():
 
     import yaml
 
-    from crossalign.agents.worker import FLOW_RUN_PYTHON, flow_run_path
+    from crossalign.agents.pools import FLOW_RUN_PYTHON
+    from crossalign.agents.worker import flow_run_path
 
     spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "prefect.yaml").read_text())
     commands = {d["name"] + ":" + d["entrypoint"]: d["work_pool"]["job_variables"].get("command")

@@ -15,12 +15,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from crossalign.agents.pools import FLOW_RUN_PYTHON, POOLS
 from crossalign.site import FrameworkSite, MindFormersSite, SiteConfig
 
-Pool = Literal["orchestrator", "npu", "cpu", "gpu"]
-POOLS: tuple[str, ...] = ("orchestrator", "npu", "cpu", "gpu")
 CANN_DEFAULT = Path("/usr/local/Ascend/ascend-toolkit/latest")
 PROBE_TIMEOUT_S = 300
 
@@ -148,8 +146,6 @@ def _remote(framework: FrameworkSite) -> Check:
 
 def _flow_run_python() -> Check:
     """Flow runs start as ``python3 -m prefect.engine`` with this interpreter's folder first on PATH."""
-    from crossalign.agents.worker import FLOW_RUN_PYTHON
-
     here = Path(sys.executable)
     candidate = here.with_name(FLOW_RUN_PYTHON)
     if candidate.exists() and os.access(candidate, os.X_OK):

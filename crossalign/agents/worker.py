@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from crossalign.agents.probe import POOLS
+from crossalign.agents.pools import FLOW_RUN_PYTHON, POOLS
 from crossalign.site import SITE_ENV, STORE_ENV, SiteConfig
 
 
@@ -54,7 +54,6 @@ def ensure_pool(name: str) -> bool:
 # Prefect's default worker poll (10 s) would be most of a step's hand-over time; a handful of
 # workers polling every second cost the server nothing. An explicit setting in the environment wins.
 WORKER_QUERY_SECONDS = "1"
-FLOW_RUN_PYTHON = "python3"  # the interpreter named by prefect.yaml's job_variables.command
 
 
 def flow_run_path() -> str:

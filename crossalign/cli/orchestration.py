@@ -411,7 +411,8 @@ def register(app: typer.Typer) -> None:
         """Probe this machine for POOL, create the pool if missing, and start a Prefect process worker."""
         from rich.table import Table
 
-        from crossalign.agents.probe import POOLS, missing, probe_pool
+        from crossalign.agents.pools import POOLS
+        from crossalign.agents.probe import missing, probe_pool
         from crossalign.patching import PatchError
         from crossalign.site import SiteError, load_site, site_path
 
