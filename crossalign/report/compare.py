@@ -16,7 +16,7 @@ a pass whose step 1 is within 0.005% on every required series.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +26,13 @@ from crossalign.logs import parse_log
 from crossalign.logs.common import step_ranges
 from crossalign.report.diagnose import diagnose
 from crossalign.report.metrics import (
-    ARITHMETIC_NOISE, COMOVE_MIN_STEPS, COMOVE_Z, GOLD_LIMIT, MEAN_LIMIT, MIN_STEPS, STEP1_LIMIT, LrCheck,
+    ARITHMETIC_NOISE, COMOVE_MIN_STEPS, COMOVE_Z, GOLD_LIMIT, MEAN_LIMIT, MIN_STEPS, STEP1_LIMIT,
     SeriesMetrics, aligned_frame, lr_check, series_metrics,
 )
+from crossalign.report.render import write_outputs
 from crossalign.report.sides import check_formats, name_different_models, same_log
+from crossalign.report.summary import Summary
 
-SCHEMA_VERSION = 2
 # crossalign's Megatron backends always launch with --log-interval 1 (crossalign/backends/megatron.py,
 # the embedded trainer likewise), so inside the DAG the interval is known.
 DAG_LOG_INTERVAL = 1
@@ -74,43 +75,6 @@ def options_from_config(config, **overrides) -> CompareOptions:
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
     return CompareOptions(**values)
-
-
-@dataclass
-class Summary:
-    """Everything the report says; ``to_dict()`` is the content of summary.json."""
-
-    verdict: str
-    reasons: list[str]
-    diagnosis: list[dict]
-    notes: list[str]
-    gold_standard: bool
-    series: dict[str, SeriesMetrics]
-    lr: LrCheck
-    inputs: dict[str, dict]
-    criteria: dict
-    coverage: dict = field(default_factory=dict)
-    megatron_iteration2: list[dict] = field(default_factory=list)
-    files: dict[str, str] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "verdict": self.verdict,
-            "reasons": self.reasons,
-            "diagnosis": self.diagnosis,
-            "notes": self.notes,
-            "gold_standard": self.gold_standard,
-            "coverage": self.coverage,
-            "megatron_iteration2": self.megatron_iteration2,
-            "criteria": self.criteria,
-            "series": {name: m.to_dict() for name, m in self.series.items()},
-            "lr": self.lr.to_dict(),
-            "inputs": self.inputs,
-            "files": self.files,
-            "timings": self.timings,
-        }
 
 
 def _series_names(frames: dict[str, pd.DataFrame], unusable: dict[str, str]) -> list[str]:
@@ -378,8 +342,6 @@ def compare_logs(npu_log: Path, gpu_log: Path, out_dir: Path, options: CompareOp
     and decides the precision when both name theirs (the embedded trainers do: "fp32", "bf16 on ...").
     ``run_link`` ({run_id, url}) names the DAG run in the report's heading and links its flow run in Prefect.
     """
-    from crossalign.report.render import write_outputs
-
     options = options or CompareOptions()
     named = list((implementations or {}).values())
     if len(named) == 2 and all("fp32" in text or "bf16" in text for text in named):

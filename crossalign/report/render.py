@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from crossalign.report.compare import Summary
+from crossalign.report.summary import Summary
 from crossalign.report.metrics import GOLD_LIMIT, MEAN_LIMIT, STEP1_LIMIT
 
 FILES = {"summary": "summary.json", "steps": "steps.csv", "plot": "loss.png",
