@@ -355,6 +355,16 @@ def layout_problems(section: str, layout: _Layout, model: ModelConfig, training:
         # core_v0.16.1 megatron/core/model_parallel_config.py:440: "When using expert parallelism and tensor
         # parallelism for training, sequence parallelism must be used"
         problems.append(f"{section}.sequence_parallel: required with tensor {tp} and expert {layout.expert}")
+    if (isinstance(layout, MegatronParallel) and tp > 1 and not layout.sequence_parallel
+            and "gdn" in m.layer_kinds):
+        # megatron-core sums a replicated weight's grads over the tensor ranks only when it is marked
+        # sequence-parallel (or is a q/k layernorm): core_v0.16.1 megatron/core/distributed/
+        # finalize_model_grads.py:354-356, the same test in 0.17.1 :358, 0.18.2 :403, 0.19.0 :452.
+        # GatedDeltaNet's out_norm is replicated but fed by each rank's own value heads, so without
+        # sequence parallelism its copies train apart rank by rank and the run stops being one model.
+        problems.append(f"{section}.sequence_parallel: required with tensor {tp} on a model with GatedDeltaNet "
+                        "layers (without it megatron-core never reduces the out_norm grads over the tensor ranks, "
+                        "so each rank trains its own out_norm)")
     if layout.context > 1 and t.seq_length % (2 * layout.context):
         problems.append(f"{section}.context: training.seq_length {t.seq_length} is not a multiple of "
                         f"2 x {layout.context} (each context rank holds two chunks)")

@@ -89,8 +89,22 @@ def test_layouts_default_to_one_card_and_each_side_may_differ():
 
 def test_expert_tensor_size_defaults_to_the_tensor_size_as_megatron():
     # core_v0.16.1 megatron/training/arguments.py:410
-    config = load_config("qwen35_moe_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.cards_per_node=2"])
+    config = load_config("qwen35_moe_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.cards_per_node=2",
+                                             "parallel.megatron.sequence_parallel=true"])
     assert config.parallel.megatron.expert_tensor_size == 2
+
+
+def test_megatron_tensor_parallel_on_gated_delta_net_layers_needs_sequence_parallel():
+    """Without it megatron-core never sums GatedDeltaNet's replicated out_norm grads over the tensor ranks
+    (core_v0.16.1 megatron/core/distributed/finalize_model_grads.py:354-356; tests/test_mcore_parallel.py
+    shows the copies drifting apart): refused on the Megatron side, named; MindFormers' layout is its own."""
+    with pytest.raises(ConfigError, match=r"parallel\.megatron\.sequence_parallel: required with tensor 2 on a "
+                                          r"model with GatedDeltaNet layers"):
+        load_config("qwen35_dense_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.cards_per_node=2"])
+    assert load_config("qwen35_dense_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.cards_per_node=2",
+                                             "parallel.megatron.sequence_parallel=true"]).parallel.megatron.tensor == 2
+    assert load_config("qwen35_dense_tiny", ["parallel.mindformers.tensor=2",
+                                             "parallel.mindformers.cards_per_node=2"]).parallel.mindformers.tensor == 2
 
 
 def test_a_file_without_a_parallel_section_takes_overrides(tmp_path):

@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from crossalign.backends.base import DatasetFiles, TrainRequest
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.layout import random_mindformers_state
 from crossalign.checkpoint.megatron import read_megatron_checkpoint
 from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
-from crossalign.config import load_config
+from crossalign.config import ConfigError, MegatronParallel, load_config
 from crossalign.logs.megatron import parse_megatron_log
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -79,12 +80,22 @@ def sides(tmp_path_factory):
     return get
 
 
-def train_megatron(name: str, sides, label: str, layout: list[str]):
-    """Convert into the layout, train megatron-core in it; the per-step lm loss as the log prints it, the log."""
+def train_megatron(name: str, sides, label: str, layout: list[str], refused: str | None = None):
+    """Convert into the layout, train megatron-core in it; the per-step lm loss as the log prints it, the log.
+
+    A layout the config refuses (``refused``: the refusal's text) is checked to be refused, then trained
+    anyway, to show what the refusal prevents."""
     from crossalign.backends.local.mcore_trainer import run_training
 
     base, root, batches, _ = sides(name)
-    config = load_config(name, SHORT + [f"parallel.megatron.{setting}" for setting in layout])
+    settings = [f"parallel.megatron.{setting}" for setting in layout]
+    if refused is None:
+        config = load_config(name, SHORT + settings)
+    else:
+        with pytest.raises(ConfigError, match=refused):
+            load_config(name, SHORT + settings)
+        unchecked = MegatronParallel(**{k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in layout)})
+        config = base.model_copy(update={"parallel": base.parallel.model_copy(update={"megatron": unchecked})})
     m = config.parallel.megatron
     out = root / label.replace(" ", "_")
     convert_checkpoint(config.model, "ms2mg", root / "mindformers", out / "converted",
@@ -141,10 +152,11 @@ def test_tensor_parallel_without_sequence_parallel_lets_gdn_out_norm_replicas_dr
     """megatron-core 0.16.1 sums over the tensor ranks the grads of sequence-parallel weights and of q/k_layernorm
     only (megatron/core/distributed/finalize_model_grads.py:354-356): GatedDeltaNet's out_norm, replicated but fed
     by each rank's own heads, then trains apart on each rank. The embedded side reproduces it, and reading the
-    saved checkpoint back names the tensor."""
+    saved checkpoint back names the tensor; the config refuses the layout."""
     from crossalign.checkpoint.errors import CheckpointError
 
-    config, result, _ = train_megatron("qwen35_dense_tiny", sides, "TP 2 no SP", ["tensor=2", "cards_per_node=2"])
+    config, result, _ = train_megatron("qwen35_dense_tiny", sides, "TP 2 no SP", ["tensor=2", "cards_per_node=2"],
+                                       refused="sequence_parallel: required with tensor 2 on a model with GatedDeltaNet")
     with pytest.raises(CheckpointError, match=r"out_norm\.weight.* differs between tensor-parallel ranks 0 and 1"):
         read_megatron_checkpoint(result.checkpoint_dir, config.model)
     rank = torch.load(Path(result.checkpoint_dir) / "iter_0000006" / "mp_rank_01" / "model_optim_rng.pt")
