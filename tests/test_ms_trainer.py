@@ -210,3 +210,39 @@ def test_backend_reads_the_mindformers_sample_order_and_reruns_identically(tmp_p
                                 batches_for("mindformers", config.training, files.prefix, num_samples=8))
     assert _without_times(result.log_path) == _without_times(expected.log_path)
     assert result.iterations == 2 and result.checkpoint_dir == request.checkpoint_dir
+
+
+def test_a_release_2_0_0_run_prints_its_mtp_loss_scaled_and_compares_it_unscaled_against_megatron(tmp_path):
+    """MindFormers 2.0.0 prints mtp_1_loss multiplied by mtp_loss_scaling_factor / mtp_num_layers
+    (pynative/transformers/multi_token_prediction.py:644-649) and the compare divides it back; an embedded run
+    claiming 2.0.0 prints it so, and its MTP loss then equals the embedded megatron-core run's, which prints it
+    unscaled (with the 2.1.0 line the compare would read it 1 / 0.3 times too large)."""
+    from crossalign.backends.local.mcore_trainer import run_training
+    from crossalign.checkpoint.convert import convert_checkpoint
+    from crossalign.checkpoint.layout import random_mindformers_state
+    from crossalign.checkpoint.megatron import read_megatron_checkpoint
+    from crossalign.report.compare import options_from_config, parse_both
+
+    config = _config(train_iters=2, lr_warmup_iters=1, mindformers_version="2.0.0")
+    config = config.model_copy(update={"model": config.model.model_copy(update={"mtp_loss_scaling_factor": 0.3})})
+    state = random_mindformers_state(config.model, seed=3)
+    write_mindformers_checkpoint(tmp_path / "mindformers", 1, state, None, default_common(1, 4))
+    batches = _batches(config, 2, seed=7)
+    ms = train_on_batches(_request(config, tmp_path, "ms", mode="align", init=tmp_path / "mindformers"), batches)
+    text = ms.log_path.read_text()
+    assert "[mindformers/pynative/callback/loss_callback.py:310] - INFO - { step:[    1/    2], loss: " in text
+    assert "consumed_samples" not in text  # 2.0.0 prints neither consumed_samples nor global_batch_size
+
+    convert_checkpoint(config.model, "ms2mg", tmp_path / "mindformers", tmp_path / "converted",
+                       core_version=config.training.megatron_core_version, dtype="fp32")
+    checkpoint = read_megatron_checkpoint(tmp_path / "converted", config.model)
+    request = TrainRequest(config=config, side="megatron", mode="align", data=DatasetFiles(tmp_path / "none", tmp_path),
+                           output_dir=tmp_path / "megatron", init_checkpoint=tmp_path / "converted")
+    mg = run_training(request, checkpoint.state, checkpoint.iteration, batches)
+
+    npu, gpu = parse_both(ms.log_path, mg.log_path, options_from_config(config))
+    printed = np.array([float(line.split("mtp_1_loss: ")[1].split(",")[0]) for line in text.splitlines()])
+    np.testing.assert_allclose(npu["mtp_1_loss"], printed / 0.3)
+    assert float(npu["mtp_1_loss"].iloc[0]) == pytest.approx(np.log(2048), abs=0.1)  # the plain cross entropy
+    np.testing.assert_allclose(npu["lm_loss"], gpu["lm_loss"], atol=2e-6)
+    np.testing.assert_allclose(npu["mtp_1_loss"], gpu["mtp_1_loss"], atol=1e-5)

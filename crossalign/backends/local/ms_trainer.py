@@ -9,8 +9,11 @@ What it reproduces of MindFormers' pynative trainer (SPEC sections 6 and 7):
   norm clipping (the logged grad_norm is the norm before clipping);
 * ConstantWarmUpLR: step k applies init + (max - init) * (k - 1) / W while k - 1 < W, then max;
   the log line of step k shows the lr of step k + 1, as the pynative LossCallback does;
-* one ``LossCallback`` line per step with the logger prefix; ``loss`` is the lm loss only,
-  ``mtp_1_loss`` unscaled, ``load_balancing_loss`` the mean unscaled aux loss per MoE layer;
+* one ``LossCallback`` line per step with the logger prefix, as the release named by
+  ``training.mindformers_version`` prints it (:func:`loss_callback_format`): ``loss`` is the lm loss only,
+  ``load_balancing_loss`` the mean unscaled aux loss per MoE layer, ``mtp_1_loss`` unscaled from 2.1.0 and
+  multiplied by mtp_loss_scaling_factor / mtp_num_layers in 2.0.0 (which also prints no ``consumed_samples``
+  or ``global_batch_size``);
 * a checkpoint 2.0 save as its CheckpointCallback writes it (mindformers 2.1.0): fp32 weights with each
   MoE layer's ``mlp.tokens_per_expert`` buffer (tokens routed to each expert, counted in every forward
   pass), the optimizer file with ``adam_m.*``, ``adam_v.*`` and an int64 ``global_step`` (the lr comes
@@ -27,6 +30,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -35,8 +39,39 @@ import numpy as np
 from crossalign.backends.base import TrainRequest, TrainResult
 from crossalign.config import AlignmentConfig, TrainingConfig
 
-LOGGER_SOURCE = "mindformers/pynative/callback/loss_callback.py:337"
+LOGGER_SOURCE = "mindformers/pynative/callback/loss_callback.py:337"  # 2.1.0's logger.info of the line
 CLIP_EPSILON = 1e-6
+
+
+@dataclass(frozen=True)
+class LossCallbackFormat:
+    """How one MindFormers release's pynative ``LossCallback`` prints its line."""
+
+    source: str            # the logger.info call named in the prefix
+    prints_samples: bool   # consumed_samples and global_batch_size after the step
+    scales_mtp: bool       # mtp_<i>_loss multiplied by mtp_loss_scaling_factor / mtp_num_layers
+
+
+def loss_callback_format(version: str) -> LossCallbackFormat:
+    """The line of MindFormers ``version`` (``training.mindformers_version``), from the released wheels:
+
+    * 2.0.0: ``pynative/callback/loss_callback.py:276-310`` prints ``step``, ``loss``, ``per_step_time``, ...
+      and the MTP tracker holds ``mtp_loss_scale * mtp_loss_sum / num_tokens``
+      (``pynative/transformers/multi_token_prediction.py:644-649``, mtp_loss_scale =
+      mtp_loss_scaling_factor / mtp_num_layers);
+    * 2.1.0: ``loss_callback.py:301-337`` adds ``consumed_samples`` and ``global_batch_size``, and the tracker
+      holds the plain ``mtp_loss_sum / num_tokens`` (``multi_token_prediction.py:682-687``).
+    """
+    from crossalign.logs.formats import mindformers_scales_mtp_loss
+
+    try:
+        scales_mtp = mindformers_scales_mtp_loss(version)
+    except ValueError as exc:
+        raise TrainingSetupError(f"training.mindformers_version: {exc}") from None
+    if scales_mtp:
+        return LossCallbackFormat("mindformers/pynative/callback/loss_callback.py:310", prints_samples=False,
+                                  scales_mtp=True)
+    return LossCallbackFormat(LOGGER_SOURCE, prints_samples=True, scales_mtp=False)
 
 
 class TrainingSetupError(ValueError):
@@ -103,10 +138,13 @@ def clip_by_global_norm(grads: dict[str, np.ndarray], max_norm: float) -> float:
 
 def loss_callback_line(*, step: int, total: int, consumed_samples: int, global_batch_size: int, loss: float,
                        step_time_ms: int, load_balancing_loss: float | None, mtp_losses: Sequence[float],
-                       lr: float, grad_norm: float) -> str:
-    """The message of MindFormers' pynative LossCallback (without the logger prefix)."""
-    parts = [f"step:[{step:5d}/{total:5d}]", f"consumed_samples: {consumed_samples}",
-             f"global_batch_size: {global_batch_size}", f"loss: {loss:10.6f}", f"per_step_time: {step_time_ms:6d}ms"]
+                       lr: float, grad_norm: float, prints_samples: bool = True) -> str:
+    """The message of MindFormers' pynative LossCallback (without the logger prefix); ``mtp_losses`` as printed.
+    ``prints_samples``: 2.1.0's consumed_samples and global_batch_size (2.0.0 prints neither)."""
+    parts = [f"step:[{step:5d}/{total:5d}]"]
+    if prints_samples:
+        parts += [f"consumed_samples: {consumed_samples}", f"global_batch_size: {global_batch_size}"]
+    parts += [f"loss: {loss:10.6f}", f"per_step_time: {step_time_ms:6d}ms"]
     if load_balancing_loss is not None:
         parts.append(f"load_balancing_loss: {load_balancing_loss:10.6f}")
     parts.extend(f"mtp_{i + 1}_loss: {value:10.6f}" for i, value in enumerate(mtp_losses))
@@ -115,11 +153,11 @@ def loss_callback_line(*, step: int, total: int, consumed_samples: int, global_b
     return "{ " + ", ".join(parts) + " }"
 
 
-def logger_prefix(log_dir: Path, now: datetime | None = None) -> str:
+def logger_prefix(log_dir: Path, now: datetime | None = None, source: str = LOGGER_SOURCE) -> str:
     """``<asctime> - mindformers<real path of the log dir>[<source>] - INFO - ``, as MindFormers' stdout handler."""
     now = now or datetime.now()
     asctime = now.strftime("%Y-%m-%d %H:%M:%S") + f",{now.microsecond // 1000:03d}"
-    return f"{asctime} - mindformers{os.path.realpath(log_dir)}[{LOGGER_SOURCE}] - INFO - "
+    return f"{asctime} - mindformers{os.path.realpath(log_dir)}[{source}] - INFO - "
 
 
 class _Trainer:
@@ -257,6 +295,7 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
     if len(batches) < total:
         raise TrainingSetupError(f"batches: {len(batches)} global batches for {total} steps")
     expected_shape = (gbs, training.seq_length + 1)
+    log_format = loss_callback_format(training.mindformers_version)
     started = time.perf_counter()
     trainer = _Trainer(request.config, initial_state(request))
     request.output_dir.mkdir(parents=True, exist_ok=True)
@@ -271,18 +310,21 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
             step_time_ms = int((time.perf_counter() - step_start) * 1000)
             logged_lr = warmup_lr(training, step + 1)  # pynative prints the lr of the next step
             balancing = trainer.load_balancing_loss(metrics["aux_loss"])
-            # MindFormers prints mtp_i_loss only when mtp_loss_scaling_factor is set
-            mtp_logged = metrics["mtp_losses"] if trainer.mtp_weight else []
+            # MindFormers prints mtp_i_loss only when mtp_loss_scaling_factor is set (loss_callback.py:202, 2.0.0)
+            mtp_losses = metrics["mtp_losses"] if trainer.mtp_weight else []
+            mtp_printed = [trainer.mtp_weight * value for value in mtp_losses] if log_format.scales_mtp else mtp_losses
             line = loss_callback_line(step=step, total=total, consumed_samples=step * gbs, global_batch_size=gbs,
                                       loss=metrics["lm_loss"], step_time_ms=step_time_ms,
-                                      load_balancing_loss=balancing, mtp_losses=mtp_logged,
-                                      lr=logged_lr, grad_norm=metrics["grad_norm"])
-            log.write(logger_prefix(log_dir) + line + "\n")
+                                      load_balancing_loss=balancing, mtp_losses=mtp_printed,
+                                      lr=logged_lr, grad_norm=metrics["grad_norm"],
+                                      prints_samples=log_format.prints_samples)
+            log.write(logger_prefix(log_dir, source=log_format.source) + line + "\n")
             log.flush()
             if request.on_step is not None:
                 reported = {"lm_loss": metrics["lm_loss"], "lr": logged_lr, "grad_norm": metrics["grad_norm"],
                             "step_time_ms": float(step_time_ms)}
-                reported.update({f"mtp_{i + 1}_loss": v for i, v in enumerate(mtp_logged)})
+                # the progress channel carries the plain MTP cross entropy, whatever the release prints
+                reported.update({f"mtp_{i + 1}_loss": v for i, v in enumerate(mtp_losses)})
                 if balancing is not None:
                     reported["aux_loss"] = balancing
                 request.on_step(step, total, reported)
