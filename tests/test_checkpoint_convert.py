@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from crossalign.checkpoint.convert import convert_checkpoint, megatron_to_mindformers, mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint
+from crossalign.checkpoint.convert_core import megatron_to_mindformers, mindformers_to_megatron
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.layout import megatron_shapes, mindformers_shapes, random_mindformers_state
 from crossalign.checkpoint.megatron import read_megatron_checkpoint

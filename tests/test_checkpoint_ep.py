@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint
+from crossalign.checkpoint.convert_core import mindformers_to_megatron
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.layout import random_mindformers_state
 from crossalign.checkpoint.megatron import read_megatron_checkpoint, rank_dir_name

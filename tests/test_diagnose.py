@@ -11,7 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint
+from crossalign.checkpoint.convert_core import mindformers_to_megatron
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS, inject_fault
 from crossalign.checkpoint.layout import random_mindformers_state

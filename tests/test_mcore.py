@@ -16,7 +16,7 @@ from crossalign.backends.base import DatasetFiles, TrainRequest
 from crossalign.backends.local import mcore_cpu, mcore_trainer, torch_trainer
 from crossalign.backends.local.mcore_model import (LAUNCHER, McoreLoadError, build_gpt_model, run_selfcheck_forward,
                                                    transformer_config)
-from crossalign.checkpoint.convert import mindformers_to_megatron
+from crossalign.checkpoint.convert_core import mindformers_to_megatron
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS, inject_fault
 from crossalign.checkpoint.layout import random_mindformers_state

@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from crossalign.backends.preflight import preflight_config
-from crossalign.checkpoint.convert import convert_checkpoint, megatron_to_mindformers, mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint
+from crossalign.checkpoint.convert_core import megatron_to_mindformers, mindformers_to_megatron
 from crossalign.checkpoint.layout import NORM_SUFFIXES, random_mindformers_state
 from crossalign.checkpoint.megatron import read_megatron_checkpoint
 from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint

@@ -17,9 +17,24 @@ import torch
 
 from crossalign.checkpoint.atomic import check_output_dir
 from crossalign.checkpoint.blocks import one_thread
-from crossalign.checkpoint.convert import (DTYPES, ConvertReport, Progress, _cast, _forward_specs, _fresh_buffers,
-                                           _from_memory, _inverse, _left_out_buffers, _nbytes, _outputs, _reused_reads,
-                                           _run, check_state, mindformers_to_megatron)
+from crossalign.checkpoint.convert_core import (
+    ConvertReport,
+    Progress,
+    cast,
+    check_dtype,
+    check_state,
+    expert_form_of,
+    forward_specs,
+    fresh_buffers,
+    from_memory,
+    left_out_buffers,
+    mindformers_to_megatron,
+    nbytes,
+    reused_reads,
+    rule_outputs,
+    run_rules,
+    to_mindformers,
+)
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.hf import HFCheckpoint, read_hf_checkpoint, write_hf_checkpoint
 from crossalign.checkpoint.hf_rules import hf_plan, hf_shapes
@@ -47,14 +62,14 @@ def hf_to_megatron_state(source: HFCheckpoint, model: ModelConfig, core_version:
                          experts: str = "stacked") -> dict[str, torch.Tensor]:
     """A checked HF checkpoint as a Megatron state dict in memory (norms as plain gammas)."""
     plan = hf_plan(model, core_version, experts, source.experts, source.root)
-    return _run(plan, lambda keys: [source.tensor(key) for key in keys], len(source.entries), True)
+    return run_rules(plan, lambda keys: [source.tensor(key) for key in keys], len(source.entries), True)
 
 
 def megatron_to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig,
                          core_version: str = THROUGH) -> dict[str, torch.Tensor]:
     """A Megatron state dict (either expert form) as the HF text model's state, in HF key order."""
-    experts = "per_expert" if any(key.endswith("linear_fc1.weight0") for key in state) else "stacked"
-    out = _run(hf_plan(model, core_version, experts), _from_memory(state), len(state), False)
+    experts = expert_form_of(state)
+    out = run_rules(hf_plan(model, core_version, experts), from_memory(state), len(state), False)
     table = hf_shapes(model)
     check_state({key: tuple(t.shape) for key, t in out.items()}, table, f"Hugging Face output for model {model.name}")
     return {key: out[key] for key in table}
@@ -71,8 +86,7 @@ def convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: 
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     if direction not in HF_DIRECTIONS:
         raise CheckpointError(f"direction {direction!r} is not one of {', '.join(HF_DIRECTIONS)}")
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     check_expert_form(experts)
     if direction != "hf2mg" and (tp, pp) != (1, 1):
         raise CheckpointError(f"{direction} reads or writes a single-rank checkpoint: --tp and --pp apply to hf2mg only")
@@ -83,11 +97,11 @@ def convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: 
     if direction == "hf2mg":
         source = _checked_source(input_dir, model)
         plan = hf_plan(model, core_version, experts, source.experts, source.root)
-        specs = _forward_specs(plan, source.entries, model, core_version, experts, dtype)
+        specs = forward_specs(plan, source.entries, model, core_version, experts, dtype)
         keys_in = len(source.entries)
         with one_thread():
             written = stream_megatron_checkpoint(output_dir, iteration, specs,
-                                                 _outputs(plan, _reused_reads(source), keys_in, True, progress),
+                                                 rule_outputs(plan, reused_reads(source), keys_in, True, progress),
                                                  model=model, tp=tp, pp=pp)
         files = sorted(written.glob("mp_rank_*/*.pt"))
         bytes_in = sum(info.nbytes for info in source.entries.values())
@@ -97,10 +111,10 @@ def convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: 
         keys_in, bytes_in = len(source.entries), sum(info.nbytes for info in source.entries.values())
         megatron = hf_to_megatron_state(source, model)
         shapes = {key: tuple(t.shape) for key, t in megatron.items()}
-        state = _inverse(lambda keys: [_cast(megatron.pop(key), dtype) for key in keys], shapes, model, THROUGH,
-                         f"Megatron form of {source.directory}", progress)
-        keys_out, bytes_out = len(state), _nbytes(state.values())
-        buffers, notes = _fresh_buffers(model)  # as MindFormers' MoE layer saves them
+        state = to_mindformers(lambda keys: [cast(megatron.pop(key), dtype) for key in keys], shapes, model, THROUGH,
+                               f"Megatron form of {source.directory}", progress)
+        keys_out, bytes_out = len(state), nbytes(state.values())
+        buffers, notes = fresh_buffers(model)  # as MindFormers' MoE layer saves them
         state.update(buffers)
         written = write_mindformers_checkpoint(output_dir, iteration, state, None,
                                                default_common(iteration, global_batch_size))
@@ -111,16 +125,16 @@ def convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: 
         except ConfigError as exc:
             raise CheckpointError(str(exc)) from None
         source_ms = read_mindformers_checkpoint(input_dir)
-        notes = _left_out_buffers(source_ms, model)
+        notes = left_out_buffers(source_ms, model)
         loaded = source_ms.model_state()
         iteration = source_ms.iteration or 0
-        keys_in, bytes_in = len(loaded), _nbytes(loaded.values())
-        hf_state = {key: _cast(tensor, dtype) for key, tensor in
+        keys_in, bytes_in = len(loaded), nbytes(loaded.values())
+        hf_state = {key: cast(tensor, dtype) for key, tensor in
                     megatron_to_hf_state(mindformers_to_megatron(loaded, model, THROUGH, "stacked"), model).items()}
         del loaded
         config["dtype"] = CONFIG_DTYPES.get(next(iter(hf_state.values())).dtype, "float32")
         files = write_hf_checkpoint(output_dir, hf_state, config)
-        keys_out, bytes_out = len(hf_state), _nbytes(hf_state.values())
+        keys_out, bytes_out = len(hf_state), nbytes(hf_state.values())
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
                          seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, dtype=dtype, notes=notes)
