@@ -210,6 +210,117 @@ def load_task(path: str, checkpoint: str, dump: Path, log: Path) -> None:
     ms.save_checkpoint(net, str(dump), format="safetensors")
 
 
+def holder(params: dict):
+    """A single-card pynative network holding ``params`` ({name: [shape, dtype]}) under their full names.
+
+    It stands in for a fork's Qwen3.5 model: public MindFormers builds no GatedDeltaNet layer and no
+    gated linear_qkv (see the module docstring), and load_checkpoint asks the network only for its
+    parameters (2.1.0 ``checkpoint/checkpoint.py:555``: ``parameters_dict`` for the name filter,
+    ``get_sharded_tensor_from_cell`` for the shapes, ``load_parameters`` to put them in).
+    """
+    import mindspore as ms
+    import numpy as np
+    from mindspore import nn
+
+    class Holder(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.weights = ms.ParameterTuple(
+                [ms.Parameter(ms.Tensor(np.zeros(shape, np.float32), getattr(ms, dtype)), name=name)
+                 for name, (shape, dtype) in params.items()])
+
+    net = Holder()
+    assert set(net.parameters_dict()) == set(params), sorted(set(params) ^ set(net.parameters_dict()))[:5]
+    return net
+
+
+def holder_load_task(params: dict, checkpoints: dict, dumps: dict, log: Path) -> None:
+    """MindFormers' load_checkpoint of each checkpoint into a fresh single-card ``holder`` network."""
+    import mindspore as ms
+    from mindformers.checkpoint.checkpoint import load_checkpoint
+
+    for label, checkpoint in checkpoints.items():
+        net = holder(params)
+        handler = _log_to(log)
+        try:
+            load_checkpoint(checkpoint, net)
+        finally:
+            _unlog(handler)
+        ms.save_checkpoint([{"name": p.name, "data": p} for p in net.get_parameters()], dumps[label],
+                           format="safetensors")
+
+
+def _rank_layouts(params: dict, mesh: list, dims: dict) -> dict:
+    """Rank-local layouts ({name: [ms.Layout, dtype, global shape]}) of a 1-D device mesh, converted by
+    MindFormers' own code from the raw dict hyper_parallel's ``get_current_layout`` reports.
+
+    hyper_parallel is not installed: the raw dict (device_matrix, alias_name, rank_list, tensor_map,
+    type, full_shape; the keys 2.1.0 ``checkpoint/layout_adapter.py:321 _convert_rank_layout_dict``
+    reads) is written here from the placement each parameter gets (``dims``: the axis it is cut
+    along, None for Replicate). A tensor_map entry names the mesh axis counted from the right.
+    """
+    import mindspore as ms
+    from mindformers.checkpoint.layout_adapter import LayoutAdapter
+
+    alias, size = mesh
+    raw = {name: {"device_matrix": [size], "alias_name": [alias], "rank_list": list(range(size)),
+                  "tensor_map": [0 if axis == dims[name] else -1 for axis in range(len(shape))],
+                  "type": getattr(ms, dtype), "full_shape": list(shape)}
+           for name, (shape, dtype) in params.items()}
+    if hasattr(LayoutAdapter, "_convert_rank_layout_dict"):  # 2.1.0
+        return LayoutAdapter._convert_rank_layout_dict(raw)
+    # 2.0.0 has the same conversion inline only (checkpoint/layout_adapter.py:143-153, in
+    # _get_layout_from_pynative, which asks hyper_parallel for the whole job's layouts first)
+    out = {}
+    for name, info in raw.items():
+        layout = ms.Layout(device_matrix=tuple(info["device_matrix"]), alias_name=tuple(info["alias_name"]),
+                           rank_list=list(info["rank_list"]))
+        layout._tensor_map = tuple(info["tensor_map"])
+        out[name] = [layout, info["type"], info["full_shape"]]
+    return out
+
+
+def reshard_task(checkpoint: str, params: dict, layouts: dict, out: Path, log: Path) -> dict:
+    """What MindFormers' ReshardLoader gives each rank of each layout from ``checkpoint``.
+
+    As load_checkpoint does for a multi-rank job (2.1.0 ``checkpoint/checkpoint.py:555``):
+    get_metadata_of_checkpoint for the source, the destination ShardedTensors of the rank from
+    ``get_sharded_tensor_from_strategy_metadata`` (what ``get_cur_sharded_tensor`` calls on the
+    network's layouts), then ``ReshardLoader(...).load()``. The rank is the one the loader asks for,
+    ``get_real_rank()``, which falls back to RANK_ID without a communication group. Writes
+    ``<layout>-<rank>.safetensors``; returns each rank's destination metas.
+    """
+    import os
+
+    import mindspore as ms
+    from mindformers.checkpoint.metadata import get_metadata_of_checkpoint
+    from mindformers.checkpoint.reshard import ReshardLoader
+    from mindformers.checkpoint.sharded_tensor import get_sharded_tensor_from_strategy_metadata
+
+    src_metas, file_mappings = get_metadata_of_checkpoint(checkpoint)
+    metas: dict = {}
+    handler = _log_to(log)
+    try:
+        for label, spec in layouts.items():
+            infos = _rank_layouts(params, spec["mesh"], spec["dims"])
+            for rank in range(spec["mesh"][1]):
+                os.environ["RANK_ID"] = str(rank)
+                dst = get_sharded_tensor_from_strategy_metadata(param_infos=infos, cur_npu_rank=rank)
+                state = ReshardLoader(checkpoint_dir=checkpoint, dst_sharded_tensor_metas=dst,
+                                      src_sharded_tensor_metas=src_metas, param_file_mappings=file_mappings,
+                                      reshard_worker_num=1, template=None).load()
+                ms.save_checkpoint([{"name": name, "data": value} for name, value in state.items()],
+                                   str(out / f"{label}-{rank}.safetensors"), format="safetensors")
+                metas[f"{label}-{rank}"] = {name: {"local_shape": list(t.local_shape),
+                                                   "global_offset": list(t.global_offset),
+                                                   "axis_fragmentations": list(t.axis_fragmentations)}
+                                            for name, t in dst.items()}
+    finally:
+        os.environ.pop("RANK_ID", None)
+        _unlog(handler)
+    return metas
+
+
 def fork_task(module: str, classes: list[str], path: str, log: Path) -> None:
     """A fork's Qwen3.5 classes (``module``, patched with mindformers-qwen35-loss-logging) built from the
     converted model section, asked for their config as LossCallback asks on every step."""
@@ -302,6 +413,12 @@ def main() -> None:
         save_task(job["save"]["yaml"], Path(job["save"]["dir"]), workdir / "save.log")
     if "load" in job:
         load_task(job["load"]["yaml"], job["load"]["checkpoint"], Path(job["load"]["dump"]), workdir / "load.log")
+    if "holder_load" in job:
+        spec = job["holder_load"]
+        holder_load_task(spec["params"], spec["checkpoints"], spec["dumps"], workdir / "holder_load.log")
+    result["reshards"] = {source: reshard_task(spec["checkpoint"], spec["params"], spec["layouts"],
+                                               Path(spec["out"]), workdir / f"reshard_{source}.log")
+                          for source, spec in job.get("reshards", {}).items()}
     Path(job["result"]).write_text(json.dumps(result))
 
 
