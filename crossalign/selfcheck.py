@@ -269,8 +269,22 @@ def compare_outputs(reference: Outputs, other: Outputs, tolerances: Tolerances |
     return checks
 
 
-def _make_checkpoints(config: AlignmentConfig, workdir: Path, ms_ckpt: Path | None, fault: str | None,
-                      seed: int, layout: tuple[int, int, int] = (1, 1, 1)) -> tuple[Path, Path]:
+def check_sources(ms_ckpt: Path | None, mg_ckpt: Path | None, fault: str | None) -> None:
+    """A converted checkpoint comes with its source; a fault needs a conversion made here (selfcheck, diagnose)."""
+    if mg_ckpt is not None and ms_ckpt is None:
+        raise SideError("a converted checkpoint needs the MindFormers checkpoint it came from (--input)")
+    if fault is not None and mg_ckpt is not None:
+        raise SideError("--fault applies to a conversion made here; it cannot be combined with --converted")
+
+
+def converted_here(layout: tuple[int, int, int], fault: str | None) -> str:
+    """How a report names the Megatron checkpoint that ``make_checkpoints`` converted."""
+    return ("converted here" + (" at (tp, pp, ep) = ({}, {}, {})".format(*layout) if layout != (1, 1, 1) else "")
+            + (f" with fault {fault}" if fault else ""))
+
+
+def make_checkpoints(config: AlignmentConfig, workdir: Path, ms_ckpt: Path | None, fault: str | None,
+                     seed: int, layout: tuple[int, int, int] = (1, 1, 1)) -> tuple[Path, Path]:
     """Write a random MindFormers checkpoint (unless given) and convert it with the converter under test into the
     (tp, pp, ep) ``layout``; a layout fault breaks the converted rank files the way a converter would."""
     from crossalign.checkpoint.convert import convert_checkpoint
@@ -356,10 +370,7 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
     stage = on_stage or (lambda name: None)
     if not isinstance(config, AlignmentConfig):
         config = load_config(config)
-    if mg_ckpt is not None and ms_ckpt is None:
-        raise SideError("a converted checkpoint needs the MindFormers checkpoint it came from (--input)")
-    if fault is not None and mg_ckpt is not None:
-        raise SideError("--fault applies to a conversion made here; it cannot be combined with --converted")
+    check_sources(ms_ckpt, mg_ckpt, fault)
     if hf_ckpt is not None and (ms_ckpt is not None or mg_ckpt is not None or fault is not None):
         raise SideError("--hf is the source checkpoint: it cannot be combined with --input, --converted or --fault")
     source = "huggingface" if hf_ckpt is not None else "mindformers"
@@ -370,9 +381,7 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
         config=model.name, batch_shape=the_batch.shape, batch_source=the_batch.source,
         mindspore_checkpoint=str(ms_ckpt) if ms_ckpt is not None else
         "converted here" if hf_ckpt is not None else f"random {model.name} (seed {seed})",
-        megatron_checkpoint=str(mg_ckpt) if mg_ckpt is not None else
-        "converted here" + (" at (tp, pp, ep) = ({}, {}, {})".format(*layout) if layout != (1, 1, 1) else "")
-        + (f" with fault {fault}" if fault else ""),
+        megatron_checkpoint=str(mg_ckpt) if mg_ckpt is not None else converted_here(layout, fault),
         fault=fault, seconds=seconds)
     # One implementation at a time: a real config's weights, model and logits must not all be in memory twice.
     with tempfile.TemporaryDirectory(prefix="crossalign-selfcheck-") as tmp:
@@ -383,7 +392,7 @@ def selfcheck(config: AlignmentConfig | str | Path, ms_ckpt: Path | None = None,
             report.huggingface_checkpoint = str(hf_ckpt)
         elif mg_ckpt is None:
             stage("writing and converting a checkpoint" if ms_ckpt is None else "converting the checkpoint")
-            ms_ckpt, mg_ckpt = _make_checkpoints(config, Path(tmp), ms_ckpt, fault, seed, layout)
+            ms_ckpt, mg_ckpt = make_checkpoints(config, Path(tmp), ms_ckpt, fault, seed, layout)
         if hf_ckpt is None:
             hf_ckpt, report.huggingface_checkpoint = _to_huggingface(config, Path(tmp), Path(ms_ckpt))
         seconds["convert"] = time.perf_counter() - start

@@ -14,19 +14,19 @@ from typer.testing import CliRunner
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.convert_core import mindformers_to_megatron
 from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.faults import FAULTS, inject_fault
+from crossalign.checkpoint.faults import FAULTS, LAYOUT_FAULTS, inject_fault
 from crossalign.checkpoint.layout import random_mindformers_state
 from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
 from crossalign.checkpoint.rules import conversion_plan
 from crossalign.cli import app
 from crossalign.config import load_config
-from crossalign.diagnose.causes import KNOWN_CAUSES
+from crossalign.diagnose.causes import KNOWN_CAUSES, explain
 from crossalign.diagnose.compare import compare_arrays
 from crossalign.diagnose.dump import DumpError, read_dump, tensor_stats
 from crossalign.diagnose.hooks import install_mindspore_dump_hooks, install_torch_dump_hooks
 from crossalign.diagnose.mapping import MappingError, module_mapping, module_mapping_from_rules
-from crossalign.diagnose.run import compare_dump_folders, dump_megatron, dump_mindspore
-from crossalign.diagnose.sides import random_batch
+from crossalign.diagnose.run import compare_dump_folders, diagnose, dump_megatron, dump_mindspore
+from crossalign.diagnose.sides import SideError, random_batch
 
 SEQ, BATCH = 32, 1
 
@@ -46,6 +46,13 @@ EXPECTED = {
     ("qwen35_moe_tiny", "a_log_not_renamed"): "decoder.layers.0.self_attention",
     ("qwen35_moe_tiny", "wrong_mtp_prefix"): "mtp.layers.0.",
 }
+
+# Faults of a sharded checkpoint: (config, fault, (tp, pp, ep), where it first shows). Dense GDN layers split in_proj
+# on the MindSpore side, so it shows in the mixer's first compared output (MoE's, in in_proj: the CLI test).
+LAYOUT_EXPECTED = [
+    ("qwen35_dense_tiny", "in_proj_split_as_one_block", (2, 1, 1), "decoder.layers.0.self_attention"),
+    ("qwen35_moe_tiny", "experts_not_renumbered", (1, 1, 2), "decoder.layers.0.mlp.experts"),
+]
 
 
 # ---- dump format and hooks ---------------------------------------------------------------------------
@@ -171,8 +178,23 @@ def test_mapping_of_the_real_rules_follows_the_core_version_and_fc1_layout():
 
 def test_every_fault_has_a_known_cause():
     named = {fault for cause in KNOWN_CAUSES for fault in cause.faults}
-    assert named == set(FAULTS)
+    assert named == set(FAULTS) | set(LAYOUT_FAULTS)
     assert {fault for _, fault in EXPECTED} == set(FAULTS)
+    assert {fault for _, fault, _, _ in LAYOUT_EXPECTED} == set(LAYOUT_FAULTS)
+
+
+def test_a_fault_of_the_rank_files_is_a_cause_only_where_the_layout_can_have_it():
+    model = load_config("qwen35_moe_tiny").model
+
+    def faults(module, layout):
+        return {fault for cause in explain(module, model, layout) for fault in cause.faults}
+
+    in_proj, experts = "decoder.layers.0.self_attention.in_proj", "decoder.layers.0.mlp.experts"
+    assert "in_proj_split_as_one_block" not in faults(in_proj, (1, 2, 2))
+    assert "in_proj_split_as_one_block" in faults(in_proj, (2, 1, 1))
+    assert "experts_not_renumbered" not in faults(experts, (2, 2, 1))
+    assert "experts_not_renumbered" in faults(experts, (1, 1, 2))
+    assert {"in_proj_split_as_one_block", "in_proj_wrong_order"} <= faults(in_proj, None)  # dumps of a run
 
 
 # ---- localisation of each fault ------------------------------------------------------------------------
@@ -277,3 +299,56 @@ def test_cli_diagnose_a_run_folder_and_existing_dumps(references, tmp_path):
 
     missing = runner.invoke(app, ["diagnose", "--model", "qwen35_dense_tiny", "--mindspore-dump", str(ms_dump)])
     assert missing.exit_code == 2 and "go together" in missing.output
+
+
+# ---- sharded checkpoints: faults only a layout shows ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, fault, layout, shows", LAYOUT_EXPECTED)
+def test_a_fault_of_the_layout_is_named_at_the_module_it_breaks(name, fault, layout, shows, tmp_path):
+    config = load_config(name)
+    result = diagnose(config, None, None, tmp_path / "out", fault=fault, layout=layout, seq=16, batch=1)
+    diagnosis = result.diagnosis
+    assert diagnosis.first_divergence is not None and diagnosis.first_divergence.megatron.startswith(shows), \
+        diagnosis.hint()
+    assert diagnosis.causes[0].faults == (fault,), diagnosis.hint()
+    assert diagnosis.layout == layout
+    summary = json.loads(result.summary.read_text())
+    assert summary["megatron_layout"] == dict(zip(("tp", "pp", "ep"), layout))
+    if fault == "experts_not_renumbered":
+        # EP rank 1 holds its experts under global numbers: Megatron's rank loads none, they stay at initial values.
+        rank_1 = next(p for p in diagnosis.load_problems if p.startswith("mp_rank_00_001 "))
+        assert "not loaded" in rank_1 and "decoder.layers.0.mlp.experts.linear_fc1.weight2" in rank_1
+        assert "kept at their initial values: decoder.layers.0.mlp.experts.linear_fc1.weight0" in rank_1
+        assert not any(p.startswith("mp_rank_00_000 ") for p in diagnosis.load_problems)
+    else:
+        assert diagnosis.load_problems == []
+
+
+def test_cli_diagnose_converts_into_a_layout_and_names_the_layout_fault(tmp_path):
+    runner = CliRunner()
+    common = ["diagnose", "--model", "qwen35_moe_tiny", "--seq", "16", "--batch", "1", "--rows", "2"]
+    clean = runner.invoke(app, [*common, "--tp", "2", "--ep", "2", "--out", str(tmp_path / "clean")])
+    assert clean.exit_code == 0, clean.output
+    assert "(tp, pp, ep) = (2, 1, 2)" in clean.output and "no module diverges" in clean.output
+
+    faulty = runner.invoke(app, [*common, "--tp", "2", "--fault", "in_proj_split_as_one_block",
+                                 "--out", str(tmp_path / "faulty")])
+    assert faulty.exit_code == 1, faulty.output
+    summary = json.loads((tmp_path / "faulty" / "summary.json").read_text())
+    assert summary["first_divergence"]["megatron"] == "decoder.layers.0.self_attention.in_proj"
+    assert summary["causes"][0]["faults"] == ["in_proj_split_as_one_block"]
+    assert "TP contiguous row blocks" in faulty.output
+
+    unknown = runner.invoke(app, [*common, "--fault", "no_such_fault"])
+    assert unknown.exit_code == 2 and "in_proj_split_as_one_block" in unknown.output
+
+
+def test_a_converted_checkpoint_must_hold_the_layout_asked_for(tmp_path):
+    from crossalign.selfcheck import make_checkpoints
+
+    config = load_config("qwen35_moe_tiny")
+    ms_ckpt, mg_ckpt = make_checkpoints(config, tmp_path, None, None, seed=3, layout=(1, 1, 2))
+    with pytest.raises(SideError, match=r"holds \(tp, pp, ep\) = \(1, 1, 2\) ranks, not the \(2, 1, 2\) asked for"):
+        diagnose(config, ms_ckpt, mg_ckpt, tmp_path / "out", layout=(2, 1, 2), seq=16, batch=1)
+    assert not (tmp_path / "out").exists()  # refused before any forward ran

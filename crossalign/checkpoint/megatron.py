@@ -176,6 +176,14 @@ def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
         state = legacy_state(read_torch_dist_tensors(directory), model, core_version)
         return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=1, pp=1,
                                   format="torch_dist")
+    shards = read_rank_states(directory)
+    tp, pp, ep = (1 + max(rank[i] for rank in shards) for i in range(3))
+    state = merge_shards(shards, model) if len(shards) > 1 else shards[(0, 0, 0)]
+    return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=tp, pp=pp, ep=ep)
+
+
+def read_rank_states(directory: Path) -> dict[Rank, dict[str, torch.Tensor]]:
+    """Each (tp, pp, ep) rank's model state of a legacy ``iter_N`` folder, as its file holds it (not merged)."""
     folders: dict[tuple[int, ...], Path] = {}
     for rank_dir in sorted(directory.iterdir()):
         match = _RANK_DIR.fullmatch(rank_dir.name)
@@ -188,11 +196,8 @@ def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
         folders[tuple(int(g) for g in match.groups() if g is not None)] = rank_dir
     if not folders:
         raise CheckpointError(f"{directory}: no mp_rank_* folders")
-    shards = _load_sharing_replicas({rank: folders[numbers] / MODEL_FILE
-                                     for numbers, rank in _ranks_of(folders, directory).items()})
-    tp, pp, ep = (1 + max(rank[i] for rank in shards) for i in range(3))
-    state = merge_shards(shards, model) if len(shards) > 1 else shards[(0, 0, 0)]
-    return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=tp, pp=pp, ep=ep)
+    return _load_sharing_replicas({rank: folders[numbers] / MODEL_FILE
+                                   for numbers, rank in _ranks_of(folders, directory).items()})
 
 
 def _rank_specs(specs: Mapping[str, TensorSpec], model: ModelConfig | None, tp: int, pp: int, ep: int,

@@ -37,8 +37,16 @@ def _from_run(run_dir: Path):
 def diagnose_command(
     model: Optional[str] = typer.Option(None, "--model", help="Model config name or YAML path (default with --run: "
                                         "the run's config)."),
-    input_dir: Optional[Path] = typer.Option(None, "--input", help="MindFormers checkpoint (the reference side)."),
-    converted: Optional[Path] = typer.Option(None, "--converted", help="Megatron checkpoint converted from --input."),
+    input_dir: Optional[Path] = typer.Option(None, "--input", help="MindFormers checkpoint (the reference side; "
+                                             "default: a random model of the config, written and converted here)."),
+    converted: Optional[Path] = typer.Option(None, "--converted", help="Megatron checkpoint converted from --input, "
+                                             "any legacy layout or torch_dist (default: convert --input here)."),
+    fault: Optional[str] = typer.Option(None, "--fault", help="Inject a known conversion bug into the conversion "
+                                        "made here, to see where it shows (layout faults need --tp or --ep > 1)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel ranks: convert here into this many (default "
+                                     "1), or the number --converted must hold (default: any)."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages, likewise."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel ranks, likewise."),
     run_dir: Optional[Path] = typer.Option(None, "--run", help="A run store folder: uses 02-cast-bf16/checkpoint, "
                                            "03-convert/checkpoint and the run's dataset."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for the dumps and the reports (default: "
@@ -61,6 +69,8 @@ def diagnose_command(
 ) -> None:
     """Dump every module's output on both sides for the same batch, compare them module by module in forward
     order, write the table as CSV and HTML, and name the first diverging module with its likely cause.
+    A sharded Megatron checkpoint is read back rank by rank, as each Megatron rank loads its file; with
+    --tp/--pp/--ep and no --converted, the conversion is made here into that layout, as selfcheck makes it.
 
     Exit status 0 when no module diverges and the checkpoint loads strictly, 1 otherwise, 2 for unusable input.
     """
@@ -87,16 +97,21 @@ def diagnose_command(
         if config is None:
             raise SideError("--model is required (or --run, which records its config)")
         out = out or Path(DIAGNOSE_DIR)
+        layout = None if (tp, pp, ep) == (None, None, None) else (tp or 1, pp or 1, ep or 1)
         if mindspore_dump is not None:
+            if fault is not None:
+                raise SideError("--fault applies to a conversion made here, not to existing dumps")
             diagnosis = compare_dump_folders(mindspore_dump, megatron_dump, config.model,
-                                             config.training.megatron_core_version, precision)
+                                             config.training.megatron_core_version, precision, layout=layout)
             result = write_reports(diagnosis, out, f"crossalign diagnose: {config.model.name}")
         else:
-            if input_dir is None or converted is None:
-                raise SideError("give --input and --converted (or --run, or the two --*-dump folders)")
             with console.status("starting") as status:
-                result = diagnose(config, input_dir, converted, out, seq=seq, batch=batch, data=data, seed=seed,
-                                  save_tensors=tensors, on_stage=lambda stage: status.update(stage))
+                result = diagnose(config, input_dir, converted, out, fault=fault, layout=layout, seq=seq,
+                                  batch=batch, data=data, seed=seed, save_tensors=tensors,
+                                  on_stage=lambda stage: status.update(stage))
+    if result.diagnosis.layout is not None:
+        console.print("Megatron checkpoint: (tp, pp, ep) = ({}, {}, {})".format(*result.diagnosis.layout),
+                      highlight=False)
     print_diagnosis(result.diagnosis, console, limit=rows)
     console.print(f"reports: {result.csv}, {result.html}, {result.summary}", highlight=False)
     if result.diagnosis.diverged or result.diagnosis.load_problems:

@@ -1,8 +1,8 @@
 """Known causes of a first divergence, by the module where it shows (the pitfalls of SPEC sections 3 and 9).
 
 Each entry says where a broken conversion first shows in a layer-by-layer comparison, why,
-and which fault of ``crossalign.checkpoint.faults`` reproduces it, so that the tests can
-prove every hint against the fault it names.
+and which fault of ``crossalign.checkpoint.faults`` reproduces it (``FAULTS``, and ``LAYOUT_FAULTS`` for the
+faults only a sharded checkpoint can have), so that the tests can prove every hint against the fault it names.
 """
 
 from __future__ import annotations
@@ -23,13 +23,17 @@ class KnownCause:
     faults: tuple[str, ...] = ()
     layer_kind: str | None = None  # "attention" / "gdn": only for layers of that kind
     ffn: str | None = None  # "dense" / "moe": only for models with that FFN
+    parallel: int | None = None  # 0 tensor / 2 expert: a fault of the rank files, only when that size > 1
 
-    def matches(self, module: str, model: ModelConfig) -> bool:
+    def matches(self, module: str, model: ModelConfig, layout: tuple[int, int, int] | None = None) -> bool:
+        """``layout``: the (tp, pp, ep) of the Megatron checkpoint compared; None when not known (dumps of a run)."""
         if not re.search(self.where, module):
             return False
         if self.ffn is not None and self.ffn != model.kind:
             return False
         if self.layer_kind is not None and layer_kind_of(module, model) != self.layer_kind:
+            return False
+        if self.parallel is not None and layout is not None and layout[self.parallel] == 1:
             return False
         return True
 
@@ -43,7 +47,32 @@ def layer_kind_of(module: str, model: ModelConfig) -> str | None:
     return "attention" if module.startswith("mtp.layers.") else None
 
 
+TENSOR, EXPERT = 0, 2  # index in a (tp, pp, ep) layout
+
 KNOWN_CAUSES: tuple[KnownCause, ...] = (
+    # Faults of a sharded checkpoint first: they apply only where the layout can show them.
+    KnownCause(
+        where=r"\.self_attention(\.(in_proj|conv1d|out_norm|out_proj))?$",
+        cause="GDN in_proj cut into TP contiguous row blocks: each tensor rank must hold its own "
+              "[q_r | k_r | v_r | z_r | beta_r | alpha_r], every segment split over the ranks; cut as one block, "
+              "rank 0 holds the leading segments whole and the last rank the trailing ones, so each rank's heads "
+              "compute with other heads' rows (invisible at TP 1)",
+        check="split each in_proj segment over the tensor ranks and concatenate per rank (a TP 1 conversion of the "
+              "same source passes)",
+        faults=("in_proj_split_as_one_block",),
+        layer_kind="gdn",
+        parallel=TENSOR,
+    ),
+    KnownCause(
+        where=r"\.mlp\.experts(\.|$)",
+        cause="routed experts not renumbered per EP rank: Megatron numbers each rank's experts locally "
+              "(global expert e is weight{e % (E/EP)} on EP rank e // (E/EP)); under their global numbers the "
+              "ranks past 0 load none of their experts, which keep their initial values",
+        check="the expert keys of each mp_rank_*_EEE file run 0 .. E/EP-1 (the load problems name the rank)",
+        faults=("experts_not_renumbered",),
+        ffn="moe",
+        parallel=EXPERT,
+    ),
     KnownCause(
         where=r"^mtp\.",
         cause="the MTP layer alone differs: MTP weights under the wrong inner-layer prefix (transformer_layer up "
@@ -126,6 +155,7 @@ KNOWN_CAUSES: tuple[KnownCause, ...] = (
 )
 
 
-def explain(module: str, model: ModelConfig) -> list[KnownCause]:
-    """The known causes for a first divergence at the Megatron module ``module``, most specific first."""
-    return [cause for cause in KNOWN_CAUSES if cause.matches(module, model)]
+def explain(module: str, model: ModelConfig, layout: tuple[int, int, int] | None = None) -> list[KnownCause]:
+    """The known causes for a first divergence at the Megatron module ``module`` of a checkpoint in ``layout``
+    (tp, pp, ep; None: not known), most specific first."""
+    return [cause for cause in KNOWN_CAUSES if cause.matches(module, model, layout)]

@@ -75,6 +75,7 @@ class Diagnosis:
     thresholds: Thresholds
     not_compared: list[str] = field(default_factory=list)
     load_problems: list[str] = field(default_factory=list)
+    layout: tuple[int, int, int] | None = None  # (tp, pp, ep) of the Megatron checkpoint; None: not known
 
     @property
     def diverged(self) -> bool:
@@ -181,9 +182,10 @@ def _compare_output(ms_dump: Dump, ms: DumpEntry, mg_dump: Dump, mg: DumpEntry, 
 
 
 def compare_dumps(mindspore: Dump, megatron: Dump, mapping: ModuleMapping, model: ModelConfig,
-                  thresholds: Thresholds | None = None, load_problems: list[str] | None = None) -> Diagnosis:
+                  thresholds: Thresholds | None = None, load_problems: list[str] | None = None,
+                  layout: tuple[int, int, int] | None = None) -> Diagnosis:
     """Pair every MindSpore module call with its Megatron counterpart, compare in forward order, explain the first
-    divergence."""
+    divergence (with the causes a Megatron checkpoint in ``layout``, (tp, pp, ep), can have; None: any)."""
     thresholds = thresholds or Thresholds.for_precision("fp32")
     rows: list[ModuleRow] = []
     not_compared: list[str] = []
@@ -200,6 +202,6 @@ def compare_dumps(mindspore: Dump, megatron: Dump, mapping: ModuleMapping, model
         rows.append(_compare_entry(mindspore, entry, megatron, mg_entry, mg_name,
                                    mapping.output_permutations.get(entry.name), thresholds))
     first = next((row for row in rows if row.diverged), None)
-    causes = explain(first.megatron.partition("#")[0], model) if first else []
+    causes = explain(first.megatron.partition("#")[0], model, layout) if first else []
     return Diagnosis(rows=rows, first_divergence=first, causes=causes, thresholds=thresholds,
-                     not_compared=not_compared, load_problems=list(load_problems or []))
+                     not_compared=not_compared, load_problems=list(load_problems or []), layout=layout)
