@@ -5,5 +5,6 @@ order, and name the first module that diverges with its likely cause.
 for our reference models and for real MindFormers and Megatron runs. ``mapping``: which module
 pairs with which, from the conversion rules. ``compare``/``causes``/``report``: the comparison,
 the known causes, the CSV/HTML output. ``sides``: both reference models on one batch (shared with
-the self-check). ``run``: the whole diagnosis.
+the self-check). ``ranks``: a sharded Megatron checkpoint read as each rank loads its file.
+``run``: the whole diagnosis.
 """
