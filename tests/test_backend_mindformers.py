@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from crossalign.backends.base import DatasetFiles, TrainRequest
@@ -23,8 +24,10 @@ from crossalign.backends.mindformers import (
     verify_mindformers_log,
     verify_transformer_config,
 )
+from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
 from crossalign.config import load_config
 from crossalign.logs.mindformers import parse_mindformers_log
+from crossalign.patching import apply_patch, load_patch
 from crossalign.site import MindFormersSite, SiteConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -158,8 +161,20 @@ def test_release_branch_lines_are_read_like_master_ones(tmp_path: Path):
         verify_mindformers_log(log, steps=3, loaded=True, exit_status=0, mtp=False)
 
 
+def small_checkpoint(root: Path) -> Path:
+    """A two-tensor checkpoint 2.0 for the stand-in run_mindformer.py to load (its network is the checkpoint's)."""
+    if not root.exists():
+        generator = torch.Generator().manual_seed(0)
+        tensors = {name: torch.randn(8, 4, generator=generator)
+                   for name in ("embedding.word_embeddings.weight", "output_layer.weight")}
+        write_mindformers_checkpoint(root, 0, tensors, None, default_common(0, 4))
+    return root
+
+
 def request_for(tmp_path: Path, mode: str, steps: list) -> TrainRequest:
     config = load_config("qwen35_dense_tiny")
+    if mode == "align":
+        small_checkpoint(tmp_path / "bf16")
     return TrainRequest(config=config, side="mindformers", mode=mode,  # type: ignore[arg-type]
                         data=DatasetFiles(prefix=tmp_path / "data" / "corpus_text_document",
                                           tokenizer=tmp_path / "tokenizer.json"),
@@ -172,6 +187,7 @@ def request_for(tmp_path: Path, mode: str, steps: list) -> TrainRequest:
 def checkout(tmp_path: Path) -> Path:
     root = tmp_path / "mindformers-checkout"
     shutil.copytree(FIXTURES / "mindformers_tree", root)
+    apply_patch(load_patch("mindformers-load-digest"), root)  # the stand-in trainer records what it loaded
     return root
 
 
