@@ -250,21 +250,38 @@ def holder_load_task(params: dict, checkpoints: dict, dumps: dict, log: Path) ->
                            format="safetensors")
 
 
+def _mesh(mesh: list) -> tuple[list, list]:
+    """(axis names, sizes) of a device mesh given as [name, size] (1-D) or [[names...], [sizes...]]."""
+    return ([mesh[0]], [mesh[1]]) if isinstance(mesh[0], str) else (list(mesh[0]), list(mesh[1]))
+
+
+def _tensor_map(cut, ndim: int, names: list) -> list:
+    """A layout's tensor_map: per tensor axis the mesh axis it is cut along, counted from the right, or -1.
+
+    ``cut`` is the tensor axis cut along a 1-D mesh (None: Replicate), or per tensor axis a mesh
+    axis name or None.
+    """
+    if cut is None or isinstance(cut, int):
+        cut = [names[0] if axis == cut else None for axis in range(ndim)]
+    return [-1 if name is None else len(names) - 1 - names.index(name) for name in cut]
+
+
 def _rank_layouts(params: dict, mesh: list, dims: dict) -> dict:
-    """Rank-local layouts ({name: [ms.Layout, dtype, global shape]}) of a 1-D device mesh, converted by
+    """Rank-local layouts ({name: [ms.Layout, dtype, global shape]}) on a device mesh, converted by
     MindFormers' own code from the raw dict hyper_parallel's ``get_current_layout`` reports.
 
     hyper_parallel is not installed: the raw dict (device_matrix, alias_name, rank_list, tensor_map,
     type, full_shape; the keys 2.1.0 ``checkpoint/layout_adapter.py:321 _convert_rank_layout_dict``
-    reads) is written here from the placement each parameter gets (``dims``: the axis it is cut
-    along, None for Replicate). A tensor_map entry names the mesh axis counted from the right.
+    reads) is written here from the placement each parameter gets (``dims``, see ``_tensor_map``).
     """
+    import math
+
     import mindspore as ms
     from mindformers.checkpoint.layout_adapter import LayoutAdapter
 
-    alias, size = mesh
-    raw = {name: {"device_matrix": [size], "alias_name": [alias], "rank_list": list(range(size)),
-                  "tensor_map": [0 if axis == dims[name] else -1 for axis in range(len(shape))],
+    names, sizes = _mesh(mesh)
+    raw = {name: {"device_matrix": sizes, "alias_name": names, "rank_list": list(range(math.prod(sizes))),
+                  "tensor_map": _tensor_map(dims[name], len(shape), names),
                   "type": getattr(ms, dtype), "full_shape": list(shape)}
            for name, (shape, dtype) in params.items()}
     if hasattr(LayoutAdapter, "_convert_rank_layout_dict"):  # 2.1.0
@@ -280,35 +297,53 @@ def _rank_layouts(params: dict, mesh: list, dims: dict) -> dict:
     return out
 
 
+def _world(mesh: list) -> int:
+    import math
+    return math.prod(_mesh(mesh)[1])
+
+
+def _resharded(checkpoint: str, infos: dict, rank: int) -> tuple[dict, dict]:
+    """Rank ``rank``'s destination ShardedTensors and what ReshardLoader loads for them from ``checkpoint``.
+
+    The rank is the one the loader asks for, ``get_real_rank()``, which falls back to RANK_ID without
+    a communication group.
+    """
+    import os
+
+    from mindformers.checkpoint.metadata import get_metadata_of_checkpoint
+    from mindformers.checkpoint.reshard import ReshardLoader
+    from mindformers.checkpoint.sharded_tensor import get_sharded_tensor_from_strategy_metadata
+
+    src_metas, file_mappings = get_metadata_of_checkpoint(checkpoint)
+    os.environ["RANK_ID"] = str(rank)
+    try:
+        dst = get_sharded_tensor_from_strategy_metadata(param_infos=infos, cur_npu_rank=rank)
+        state = ReshardLoader(checkpoint_dir=checkpoint, dst_sharded_tensor_metas=dst,
+                              src_sharded_tensor_metas=src_metas, param_file_mappings=file_mappings,
+                              reshard_worker_num=1, template=None).load()
+    finally:
+        os.environ.pop("RANK_ID", None)
+    return dst, state
+
+
 def reshard_task(checkpoint: str, params: dict, layouts: dict, out: Path, log: Path) -> dict:
     """What MindFormers' ReshardLoader gives each rank of each layout from ``checkpoint``.
 
     As load_checkpoint does for a multi-rank job (2.1.0 ``checkpoint/checkpoint.py:555``):
     get_metadata_of_checkpoint for the source, the destination ShardedTensors of the rank from
     ``get_sharded_tensor_from_strategy_metadata`` (what ``get_cur_sharded_tensor`` calls on the
-    network's layouts), then ``ReshardLoader(...).load()``. The rank is the one the loader asks for,
-    ``get_real_rank()``, which falls back to RANK_ID without a communication group. Writes
-    ``<layout>-<rank>.safetensors``; returns each rank's destination metas.
+    network's layouts), then ``ReshardLoader(...).load()``. Writes ``<layout>-<rank>.safetensors``;
+    returns each rank's destination metas.
     """
-    import os
-
     import mindspore as ms
-    from mindformers.checkpoint.metadata import get_metadata_of_checkpoint
-    from mindformers.checkpoint.reshard import ReshardLoader
-    from mindformers.checkpoint.sharded_tensor import get_sharded_tensor_from_strategy_metadata
 
-    src_metas, file_mappings = get_metadata_of_checkpoint(checkpoint)
     metas: dict = {}
     handler = _log_to(log)
     try:
         for label, spec in layouts.items():
             infos = _rank_layouts(params, spec["mesh"], spec["dims"])
-            for rank in range(spec["mesh"][1]):
-                os.environ["RANK_ID"] = str(rank)
-                dst = get_sharded_tensor_from_strategy_metadata(param_infos=infos, cur_npu_rank=rank)
-                state = ReshardLoader(checkpoint_dir=checkpoint, dst_sharded_tensor_metas=dst,
-                                      src_sharded_tensor_metas=src_metas, param_file_mappings=file_mappings,
-                                      reshard_worker_num=1, template=None).load()
+            for rank in range(_world(spec["mesh"])):
+                dst, state = _resharded(checkpoint, infos, rank)
                 ms.save_checkpoint([{"name": name, "data": value} for name, value in state.items()],
                                    str(out / f"{label}-{rank}.safetensors"), format="safetensors")
                 metas[f"{label}-{rank}"] = {name: {"local_shape": list(t.local_shape),
@@ -316,9 +351,53 @@ def reshard_task(checkpoint: str, params: dict, layouts: dict, out: Path, log: P
                                                    "axis_fragmentations": list(t.axis_fragmentations)}
                                             for name, t in dst.items()}
     finally:
-        os.environ.pop("RANK_ID", None)
         _unlog(handler)
     return metas
+
+def metadata_task(params: dict, mesh: list, dims: dict, prefix: str, path: str) -> None:
+    """metadata.json as MindFormers' own save path writes it for ``params`` saved by every rank of ``mesh``.
+
+    As save_checkpoint does (2.1.0 ``checkpoint/checkpoint.py:528 save_metadata_json``): every rank's
+    ShardedTensors (``get_sharded_tensor_from_strategy_metadata``, as ``get_all_sharded_tensor``
+    builds them), the file of each slice (``get_total_params_file_mapping_info``) and ``save_metadata``.
+    Without a communication group, the group size that get_total_params_file_mapping_info asks
+    MindSpore for (``get_group_size``) is given as the mesh size.
+    """
+    import mindformers.checkpoint.metadata as metadata
+    from mindformers.checkpoint.sharded_tensor import get_sharded_tensor_from_strategy_metadata
+
+    infos = _rank_layouts(params, mesh, dims)
+    metas = {rank: get_sharded_tensor_from_strategy_metadata(param_infos=infos, cur_npu_rank=rank)
+             for rank in range(_world(mesh))}
+    metadata.get_group_size = lambda: _world(mesh)
+    mappings = metadata.get_total_params_file_mapping_info(metas, prefix, set(params))
+    metadata.save_metadata(metas, mappings, path)
+
+
+def sharded_save_task(checkpoint: str, params: dict, mesh: list, dims: dict, prefix: str, out: Path,
+                      log: Path) -> None:
+    """A checkpoint saved by every rank of ``mesh`` as MindFormers' pynative save writes it, weights only.
+
+    Each rank's file holds that rank's local tensors (what save_checkpoint writes after
+    ``LayoutAdapter.preprocess_params`` takes each DTensor's local part, 2.1.0
+    ``checkpoint/layout_adapter.py:425``), here cut from ``checkpoint`` by ReshardLoader and written
+    by MindSpore's ``save_checkpoint`` under MindFormers' file name (``get_checkpoint_name``);
+    then metadata.json by ``metadata_task``.
+    """
+    import mindspore as ms
+    from mindformers.checkpoint.utils import FileType, get_checkpoint_name
+
+    infos = _rank_layouts(params, mesh, dims)
+    handler = _log_to(log)
+    try:
+        for rank in range(_world(mesh)):
+            _, state = _resharded(checkpoint, infos, rank)
+            name = get_checkpoint_name(None, prefix, rank, _world(mesh), FileType.MODEL)
+            ms.save_checkpoint([{"name": key, "data": value} for key, value in state.items()],
+                               str(out / f"{name}.safetensors"), format="safetensors")
+    finally:
+        _unlog(handler)
+    metadata_task(params, mesh, dims, prefix, str(out / "metadata.json"))
 
 
 def fork_task(module: str, classes: list[str], path: str, log: Path) -> None:
@@ -413,12 +492,16 @@ def main() -> None:
         save_task(job["save"]["yaml"], Path(job["save"]["dir"]), workdir / "save.log")
     if "load" in job:
         load_task(job["load"]["yaml"], job["load"]["checkpoint"], Path(job["load"]["dump"]), workdir / "load.log")
-    if "holder_load" in job:
-        spec = job["holder_load"]
-        holder_load_task(spec["params"], spec["checkpoints"], spec["dumps"], workdir / "holder_load.log")
+    for spec in job.get("holder_loads", []):
+        holder_load_task(spec["params"], spec["checkpoints"], spec["dumps"], workdir / spec["log"])
     result["reshards"] = {source: reshard_task(spec["checkpoint"], spec["params"], spec["layouts"],
                                                Path(spec["out"]), workdir / f"reshard_{source}.log")
                           for source, spec in job.get("reshards", {}).items()}
+    for spec in job.get("saves", []):
+        sharded_save_task(spec["checkpoint"], spec["params"], spec["mesh"], spec["dims"], spec["prefix"],
+                          Path(spec["out"]), workdir / spec["log"])
+    for spec in job.get("metadata", []):
+        metadata_task(spec["params"], spec["mesh"], spec["dims"], spec["prefix"], spec["path"])
     Path(job["result"]).write_text(json.dumps(result))
 
 

@@ -13,7 +13,9 @@ mg2ms ``--tp N`` writes the MindFormers checkpoint as N ranks save it: one
   ShardedTensors built by its own ``get_sharded_tensor_from_strategy_metadata``, gives each rank
   exactly the slice that crossalign's Megatron sharding (``checkpoint/reshard.py: shard_tensor``,
   then the MindFormers side of the tensor's conversion rule) gives that rank, or the whole tensor
-  where MindFormers' plan keeps a tensor whole that Megatron splits (named below).
+  where MindFormers' plan keeps a tensor whole that Megatron splits (named below);
+- (c) crossalign's metadata.json is the one MindFormers' own save path writes for that save;
+- (d) crossalign reads 4-rank saves as MindFormers writes them (data parallel x TP, EP x TP).
 
 Stood in, because hyper_parallel (Huawei's parallel library) is not installed:
 
@@ -34,7 +36,9 @@ refuses it, naming the size (checked below), and only N = 2 is loaded.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,9 +48,10 @@ from safetensors.torch import load_file
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.convert_core import mindformers_to_megatron
 from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.layout import mindformers_shapes
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
-from crossalign.checkpoint.reshard import shard_tensor
+from crossalign.checkpoint.layout import mindformers_buffers, mindformers_shapes
+from crossalign.checkpoint.mindformers import DEFAULT_PREFIX, METADATA, default_common, read_mindformers_checkpoint, \
+    write_mindformers_checkpoint
+from crossalign.checkpoint.reshard import mindformers_split_dim, shard_tensor
 from crossalign.checkpoint.rules import Fuse, TransposeExperts, conversion_plan
 from crossalign.config import ModelConfig, load_config
 from mindformers_upstream import RELEASES, run_driver
@@ -92,10 +97,38 @@ def mindformers_placement(name: str, axis: str) -> int | None:
     return None
 
 
+# Multi-rank saves as MindFormers writes them (its own ShardedTensors, ReshardLoader slices, file names and
+# save_metadata), on 2-D meshes: data parallel x TP with the TP plan above, and (MoE) EP x TP with the routed
+# experts cut on two axes at once (on the expert axis over "ep" and on their output axis over "tp"), which
+# MindFormers' layout format allows but its pynative plan does not make: it checks the slice numbering of a
+# tensor cut along two axes.
+SAVES = {"qwen35_dense_tiny": {"dp2xtp2": [["dp", "tp"], [2, 2]]},
+         "qwen35_moe_tiny": {"dp2xtp2": [["dp", "tp"], [2, 2]], "ep2xtp2": [["ep", "tp"], [2, 2]]}}
+
+
+def save_placement(name: str, label: str) -> list:
+    """Per tensor axis the mesh axis it is cut along (None: whole) in the ``SAVES`` layout ``label``."""
+    ndim = len(mindformers_shapes_or_buffer(name))
+    if label == "ep2xtp2" and re.fullmatch(r".*mlp\.experts\.weight[12]", name):
+        return ["ep", None, "tp"] if name.endswith("weight1") else ["ep", "tp", None]
+    axis = mindformers_placement(name, "tp")
+    return ["tp" if a == axis else None for a in range(ndim)]
+
+
 def fork_only(model: ModelConfig, name: str) -> bool:
     """A GatedDeltaNet layer's mixer parameter: only a fork's Qwen3.5 model has it (see the module docstring)."""
     match = re.match(r"decoder\.layers\.(\d+)\.self_attention\.", name)
     return bool(match) and model.layer_kinds[int(match.group(1))] == "gdn"
+
+
+def mindformers_shapes_or_buffer(name: str) -> tuple[int, ...]:
+    """The shape of a MindFormers weight or buffer of either tiny model."""
+    for model_name in MODELS:
+        model = load_config(model_name).model
+        shapes = {**mindformers_shapes(model), **mindformers_buffers(model)}
+        if name in shapes:
+            return shapes[name]
+    raise KeyError(name)
 
 
 def seeded_state(model: ModelConfig) -> dict[str, torch.Tensor]:
@@ -117,12 +150,10 @@ def expected_slice(rule, mg_state: dict, model: ModelConfig, rank: tuple[int, in
     return inner.inverse(shards)[rule.ms_keys.index(ms_key)]
 
 
-@pytest.fixture(scope="module", params=[(v, m) for v in RELEASES for m in MODELS], ids=lambda p: f"{p[0]}-{p[1]}")
-def loaded(request, tmp_path_factory):
-    """One Megatron checkpoint converted by mg2ms for 1 and 2 ranks, then loaded and resharded by MindFormers."""
-    version, name = request.param
+def prepare(name: str, tmp: Path) -> tuple[dict, dict]:
+    """One Megatron checkpoint converted by mg2ms for 1 and 2 ranks, and the driver's job on it:
+    (what the tests need, the job's parts)."""
     model = load_config(name).model
-    tmp = tmp_path_factory.mktemp(f"sharded-{version}-{name}")
     weights = seeded_state(model)
     write_mindformers_checkpoint(tmp / "source", 3, weights, None, default_common(3))
     convert_checkpoint(model, "ms2mg", tmp / "source", tmp / "mg")
@@ -136,15 +167,42 @@ def loaded(request, tmp_path_factory):
     resharded = {key: value for key, value in params.items() if not fork_only(model, key)}
     layouts = {label: {"mesh": list(mesh), "dims": {key: mindformers_placement(key, mesh[0]) for key in resharded}}
                for label, mesh in LAYOUTS[name].items()}
-    for n in roots:
-        (tmp / f"reshard{n}").mkdir()
-    job = {"holder_load": {"params": params, "checkpoints": {str(n): str(root) for n, root in roots.items()},
-                           "dumps": {str(n): str(tmp / f"loaded{n}.safetensors") for n in roots}},
-           "reshards": {str(n): {"checkpoint": str(checkpoints[n].directory), "params": resharded,
-                                 "layouts": layouts, "out": str(tmp / f"reshard{n}")} for n in roots}}
+    for folder in [f"reshard{n}" for n in roots] + [f"saved-{label}" for label in SAVES[name]]:
+        (tmp / folder).mkdir()
+    job = {"holder_loads": [{"params": params, "checkpoints": {str(n): str(root) for n, root in roots.items()},
+                             "dumps": {str(n): str(tmp / f"loaded{n}.safetensors") for n in roots},
+                             "log": f"holder_load_{name}.log"}],
+           "reshards": {f"{name}-{n}": {"checkpoint": str(checkpoints[n].directory), "params": resharded,
+                                        "layouts": layouts, "out": str(tmp / f"reshard{n}")} for n in roots},
+           "metadata": [{"params": params, "mesh": ["tp", RANKS], "prefix": DEFAULT_PREFIX,
+                         "dims": {key: mindformers_split_dim(key, tuple(shape)) for key, (shape, _) in params.items()},
+                         "path": str(tmp / "mindformers_metadata.json")}],
+           "saves": [{"checkpoint": str(checkpoints[1].directory), "params": params, "mesh": mesh,
+                      "dims": {key: save_placement(key, label) for key in params}, "prefix": DEFAULT_PREFIX,
+                      "out": str(tmp / f"saved-{label}"), "log": f"sharded_save_{name}.log"}
+                     for label, mesh in SAVES[name].items()]}
+    return {"model": model, "tmp": tmp, "weights": weights, "checkpoints": checkpoints, "layouts": layouts}, job
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def release(request, tmp_path_factory):
+    """Both tiny models prepared, and one run of the release's code on both: {model name: what the tests need}."""
+    version = request.param
+    tmp = tmp_path_factory.mktemp(f"sharded-{version}")
+    prepared, job = {}, {}
+    for name in MODELS:
+        prepared[name], parts = prepare(name, tmp / name)
+        for key, value in parts.items():
+            job[key] = {**job.get(key, {}), **value} if isinstance(value, dict) else job.get(key, []) + value
     result, _ = run_driver(version, job, tmp / "work")
-    return {"version": version, "model": model, "tmp": tmp, "weights": weights, "checkpoints": checkpoints,
-            "result": result, "layouts": layouts, "work": tmp / "work"}
+    return {name: {**context, "version": version, "work": tmp / "work",
+                   "reshards": {n: result["reshards"][f"{name}-{n}"] for n in (1, RANKS)}}
+            for name, context in prepared.items()}
+
+
+@pytest.fixture(params=MODELS)
+def loaded(release, request):
+    return release[request.param]
 
 
 def test_mg2ms_refuses_four_ranks_of_the_tiny_models(tmp_path):
@@ -167,7 +225,7 @@ def test_the_two_rank_output_loads_bit_for_bit_as_the_single_rank_one(loaded):
     # the 2-rank output really is cut: most tensors are stored as two slices
     pieces = loaded["checkpoints"][RANKS].pieces
     assert sum(len(p) == RANKS for p in pieces.values()) > len(pieces) // 2
-    assert "Loading Checkpoint Finished" in (loaded["work"] / "holder_load.log").read_text()
+    assert "Loading Checkpoint Finished" in (loaded["work"] / f"holder_load_{loaded['model'].name}.log").read_text()
 
 
 def test_mindformers_reshards_each_rank_to_crossalign_megatron_slice(loaded):
@@ -199,10 +257,41 @@ def test_mindformers_reshards_each_rank_to_crossalign_megatron_slice(loaded):
                 if not torch.equal(from_two[key], expected):
                     assert dim is None and torch.equal(from_two[key], tensor), (label, rank, key)
                     whole.add(key)
-            metas = loaded["result"]["reshards"][str(RANKS)][f"{label}-{rank}"]
+            metas = loaded["reshards"][RANKS][f"{label}-{rank}"]
             assert all(m["axis_fragmentations"] == [size if a == spec["dims"][k] else 1 for a in
                                                      range(len(m["local_shape"]))] for k, m in metas.items())
         pattern = WHOLE_IN_MINDFORMERS[(model.name, label)]
         assert whole == {key for key in spec["dims"] if key in rules and re.fullmatch(pattern, key)}, label
         split = {key for key, dim in spec["dims"].items() if dim is not None}
         assert split and not split & whole, label
+
+
+def test_the_metadata_is_what_mindformers_own_save_writes_and_each_reads_the_other(loaded, tmp_path):
+    """(c): crossalign's metadata.json for the 2-rank output is the one MindFormers' own save path
+    (``save_metadata`` on every rank's ShardedTensors of a 2-rank "tp" mesh cut as mindformers_split_dim
+    cuts) writes, and crossalign's reader reads the output with MindFormers' file as with its own."""
+    ours = loaded["checkpoints"][RANKS]
+    theirs = json.loads((loaded["tmp"] / "mindformers_metadata.json").read_text())
+    assert json.loads((ours.directory / METADATA).read_text()) == theirs
+    copy = tmp_path / ours.directory.name
+    shutil.copytree(ours.directory, copy)
+    (copy / METADATA).write_text(json.dumps(theirs))
+    reread = read_mindformers_checkpoint(copy)
+    for key, weight in loaded["weights"].items():
+        assert torch.equal(reread.tensor(key), weight), key
+
+
+def test_crossalign_reads_multi_rank_saves_as_mindformers_writes_them(loaded):
+    """(d): a 4-rank save on each ``SAVES`` mesh, each file holding one rank's local tensors and
+    metadata.json from MindFormers' own save_metadata, is read by crossalign as the weights."""
+    for label in SAVES[loaded["model"].name]:
+        saved = read_mindformers_checkpoint(loaded["tmp"] / f"saved-{label}")
+        assert saved.world_size == 4, label
+        for key, weight in loaded["weights"].items():
+            assert torch.equal(saved.tensor(key), weight), (label, key)
+        buffers = loaded["checkpoints"][1].buffer_state()
+        assert set(saved.buffer_entries()) == set(buffers), label
+        for key, buffer in buffers.items():
+            assert torch.equal(saved.tensor(key), buffer), (label, key)
+        cut_twice = [key for key, pieces in saved.pieces.items() if len(pieces) == 4]
+        assert bool(cut_twice) == (label == "ep2xtp2"), (label, cut_twice)
