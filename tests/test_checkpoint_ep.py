@@ -150,6 +150,31 @@ def test_an_ep_rank_whose_replicated_tensors_differ_is_named(tmp_path, source):
     with pytest.raises(CheckpointError, match=r"mp_rank_00_001.*'decoder.layers.2.mlp.router.weight' differs from "
                                               "expert-parallel rank 0's"):
         read_megatron_checkpoint(out, MOE)
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_001.*'decoder.layers.2.mlp.router.weight' differs from "
+                                              "expert-parallel rank 0's"):  # mg2ms reads the ranks as it goes
+        convert_checkpoint(MOE, "mg2ms", out, tmp_path / "ms")
+    assert not (tmp_path / "ms").exists()
+
+
+def test_mg2ms_reads_tensors_saved_as_views_of_shared_storage(tmp_path, moe_state):
+    """Megatron may save a tensor that is a view: at an offset in a storage it shares, or with strides."""
+    full = mindformers_to_megatron(moe_state, MOE)
+    keys = list(full)
+    flat = torch.cat([full[k].reshape(-1) for k in keys])  # one storage under every tensor
+    model, start = {}, 0
+    for key in keys:
+        model[key] = flat[start:start + full[key].numel()].view(full[key].shape)
+        start += full[key].numel()
+    strided = "decoder.layers.0.self_attention.out_proj.weight"
+    model[strided] = full[strided].t().contiguous().t()  # the same values, column-major
+    assert model[keys[1]].storage_offset() > 0 and not model[strided].is_contiguous()
+    folder = tmp_path / "mg" / "iter_0000007" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"checkpoint_version": 3.0, "iteration": 7, "model": model}, folder / "model_optim_rng.pt")
+    (tmp_path / "mg" / "latest_checkpointed_iteration.txt").write_text("7")
+    convert_checkpoint(MOE, "mg2ms", tmp_path / "mg", tmp_path / "ms")
+    back = read_mindformers_checkpoint(tmp_path / "ms")
+    assert back.iteration == 7 and all(torch.equal(back.tensor(k), moe_state[k]) for k in moe_state)
 
 
 def test_cli_writes_an_expert_parallel_layout(tmp_path, source):

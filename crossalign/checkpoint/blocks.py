@@ -18,7 +18,16 @@ import torch
 # Tensors that are cast or streamed move in row blocks of about this size: small enough that a
 # block is still in the CPU cache when it is written out after its cast. Measured on the real
 # dense config, a conversion took 5.2 s with 64 MiB blocks, 2.6 s with 4 MiB and 1.9 s with 1 MiB.
+# Writes go out in pieces of this size too: one write() of a whole 128 MiB tensor was measured
+# 4.8x slower per byte than the same bytes in 1 MiB writes (2 GB: 4.7 s against 1.0 s, ext4).
 BLOCK_BYTES = 2**20
+
+
+def write_pieces(tensor: torch.Tensor, max_bytes: int = BLOCK_BYTES) -> Iterator[memoryview]:
+    """The bytes of a contiguous tensor as consecutive pieces of at most ``max_bytes``, without a copy."""
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    for start in range(0, len(data), max_bytes):
+        yield data[start:start + max_bytes]
 
 
 class ReusedBuffer:

@@ -16,6 +16,7 @@ so memory holds one rule's tensors whatever the model size.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -31,9 +32,12 @@ from crossalign.checkpoint.convert_core import (
     cast,
     check_dtype,
     check_forward_output,
+    check_state,
+    expert_form_of,
     forward_plan,
     forward_specs,
     fresh_buffers,
+    inverse_specs,
     left_out_buffers,
     nbytes,
     reused_reads,
@@ -44,14 +48,21 @@ from crossalign.checkpoint.convert_core import (
 )
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.hf_convert import HF_DIRECTIONS, convert_hf
-from crossalign.checkpoint.layout import check_expert_form
+from crossalign.checkpoint.layout import check_expert_form, megatron_shapes
 from crossalign.checkpoint.megatron import (
+    open_megatron_stream,
     read_megatron_checkpoint,
     stream_megatron_checkpoint,
     write_torch_dist_checkpoint,
 )
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.checkpoint.mindformers import (
+    default_common,
+    read_mindformers_checkpoint,
+    stream_mindformers_checkpoint,
+    write_mindformers_checkpoint,
+)
 from crossalign.checkpoint.reshard import check_parallel_sizes, mindformers_split_dim
+from crossalign.checkpoint.rules import conversion_plan
 from crossalign.checkpoint.torch_file import TensorSpec
 from crossalign.config import ModelConfig
 
@@ -136,8 +147,29 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
             written = stream_megatron_checkpoint(output_dir, iteration, specs, tensors, model=model, tp=tp, pp=pp,
                                                  ep=ep, etp=etp)
         files = sorted(written.glob("mp_rank_*/*.pt"))
+    elif tp == 1 and (stream := open_megatron_stream(input_dir, model)) is not None:
+        shapes = stream.shapes
+        experts_in = expert_form_of(shapes)
+        check_state(shapes, megatron_shapes(model, core_version, experts_in), f"Megatron checkpoint "
+                    f"{stream.directory} does not match model {model.name} (core {core_version}, {experts_in} experts)")
+        plan = conversion_plan(model, core_version, experts_in)
+        buffers, notes = fresh_buffers(model)
+        specs = inverse_specs(plan, stream.dtypes, model, dtype)
+        keys_in, keys_out = len(shapes), len(specs)
+        bytes_in, bytes_out = stream.nbytes, sum(spec.nbytes for spec in specs.values())
+        specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
+        iteration, source_format = stream.iteration, stream.format
+        read = reused_reads(stream)  # cast as read, as the merged path below casts before the rules
+        outputs = rule_outputs(plan, lambda keys: [cast(tensor, dtype) for tensor in read(keys)], keys_in, False,
+                               progress)
+        with one_thread():
+            written = stream_mindformers_checkpoint(output_dir, iteration, specs,
+                                                    itertools.chain(outputs, buffers.items()),
+                                                    default_common(iteration, global_batch_size))
+        files = sorted(written.glob("*.safetensors"))
     else:
         source_mg = read_megatron_checkpoint(input_dir, model, core_version)
+        source_format = source_mg.format
         iteration = source_mg.iteration
         loaded = source_mg.state
         keys_in, bytes_in = len(loaded), nbytes(loaded.values())
@@ -156,5 +188,5 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
                          seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype,
-                         format=ckpt_format if direction == "ms2mg" else source_mg.format, fault=fault,
+                         format=ckpt_format if direction == "ms2mg" else source_format, fault=fault,
                          output_validated=fault is None, notes=notes)

@@ -226,6 +226,25 @@ def to_mindformers(fetch: Fetch, shapes: Shapes, model: ModelConfig, core_versio
     return out
 
 
+def inverse_specs(plan: list[PlacedRule], dtypes: Mapping[str, torch.dtype], model: ModelConfig,
+                  dtype: str) -> dict[str, TensorSpec]:
+    """Every MindFormers tensor the plan writes from Megatron's, in its order, with shape and stored dtype.
+
+    As ``forward_specs`` the other way: the keys are checked against MindFormers' table before
+    anything is written, the shapes are the table's, and a rule's output has its inputs' dtype.
+    """
+    table = mindformers_shapes(model)
+    keys = [key for placed in plan for key in placed.ms_keys]
+    check_state({key: table[key] if key in table else () for key in keys}, table,
+                f"MindFormers output for model {model.name}")
+    specs = {}
+    for placed in plan:
+        source = functools.reduce(torch.promote_types, (dtypes[key] for key in placed.mg_keys))
+        for key in placed.ms_keys:
+            specs[key] = TensorSpec(table[key], stored_dtype(source, dtype))
+    return specs
+
+
 def megatron_to_mindformers(state: Mapping[str, torch.Tensor], model: ModelConfig,
                             core_version: str = "0.16.1") -> dict[str, torch.Tensor]:
     """The exact inverse of mindformers_to_megatron (either expert form in; pynative expert layout out)."""

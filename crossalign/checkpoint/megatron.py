@@ -21,22 +21,24 @@ tensor at a time (``torch_file.py``), so saving never holds a second copy of the
 
 from __future__ import annotations
 
+import math
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from crossalign.checkpoint.atomic import save_iteration
-from crossalign.checkpoint.blocks import BlockCaster
+from crossalign.checkpoint.blocks import BlockCaster, ReusedBuffer
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.reshard import (
     Rank,
     check_parallel_sizes,
     is_routed_expert,
     merge_shards,
+    routed_expert_index,
     shard_shapes,
     shard_tensor,
 )
@@ -50,6 +52,7 @@ CHECKPOINT_VERSION = 3.0
 _ITER_DIR = re.compile(r"iter_(\d{7})")
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LAST_STAGE_KEY = "decoder.final_layernorm.weight"
+_LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -98,9 +101,10 @@ def find_iteration_dir(path: Path) -> tuple[Path, int]:
     raise CheckpointError(f"{path}: no {TRACKER}, and not an iter_%07d or release folder")
 
 
-def _load_rank(file: Path) -> dict[str, torch.Tensor]:
+def _load_rank(file: Path, location: str = "cpu") -> dict[str, torch.Tensor]:
+    """A rank file's model tensors; with ``location`` "meta" only their shapes and places are read."""
     try:
-        checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(file, map_location=location, weights_only=True)
     except Exception as exc:  # torch raises many kinds for a bad or foreign pickle
         raise CheckpointError(f"{file}: cannot be loaded with weights_only=True ({exc})") from None
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
@@ -116,14 +120,75 @@ def _load_rank(file: Path) -> dict[str, torch.Tensor]:
 
 
 def _model_keys(file: Path) -> set[str]:
-    """The model keys of a rank file, read without its data (memory-mapped, so no tensor is copied)."""
+    """The model keys of a rank file, read without its data (on the meta device, so no tensor is read)."""
     try:
-        return set(torch.load(file, map_location="cpu", weights_only=True, mmap=True).get("model", {}))
+        return set(torch.load(file, map_location="meta", weights_only=True).get("model", {}))
     except Exception as exc:  # torch raises many kinds for a bad or foreign pickle
         raise CheckpointError(f"{file}: cannot be loaded with weights_only=True ({exc})") from None
 
 
-def _ranks_of(folders: dict[tuple[int, ...], Path], directory: Path) -> dict[tuple[int, ...], Rank]:
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a rank file and where its bytes are, to be read into memory the reader chooses.
+
+    ``torch.load`` onto the meta device reads only the pickle; it gives each storage the file
+    offset of its bytes (``_checkpoint_offset``) and each tensor its shape, strides and offset
+    in that storage, which is all a plain ``readinto`` needs.
+    """
+
+    file: Path
+    key: str  # the key in this file (local layer and expert numbers)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements
+    storage_bytes: int
+    file_offset: int  # of the storage's first byte
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def read(self, buffer: ReusedBuffer | None = None) -> torch.Tensor:
+        """The tensor, read into ``buffer`` when given (valid until the buffer is used again)."""
+        contiguous = torch.empty(self.shape, dtype=torch.uint8, device="meta").stride()
+        if self.stride == contiguous or self.nbytes == 0:
+            out = buffer.view(self.shape, self.dtype) if buffer is not None else torch.empty(self.shape,
+                                                                                              dtype=self.dtype)
+            self._read_at(self.file_offset + self.storage_offset * self.dtype.itemsize, out)
+            return out
+        storage = torch.empty(self.storage_bytes, dtype=torch.uint8)  # a strided view: its storage, then the view
+        self._read_at(self.file_offset, storage)
+        view = storage.view(self.dtype).as_strided(self.shape, self.stride, self.storage_offset)
+        return view.clone() if buffer is None else buffer.view(self.shape, self.dtype).copy_(view)
+
+    def _read_at(self, offset: int, target: torch.Tensor) -> None:
+        data = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        with open(self.file, "rb", buffering=0) as handle:
+            handle.seek(offset)
+            done = 0
+            while done < len(data):
+                got = handle.readinto(data[done:])
+                if not got:
+                    raise CheckpointError(f"{self.file}: file ends inside tensor {self.key!r}")
+                done += got
+
+
+def _stored_tensors(file: Path) -> dict[str, StoredTensor]:
+    """Every model tensor of a rank file with where it is stored; no tensor data is read."""
+    stored = {}
+    for key, meta in _load_rank(file, "meta").items():
+        storage = meta.untyped_storage()
+        offset = getattr(storage, "_checkpoint_offset", None)
+        if offset is None:
+            raise CheckpointError(f"{file}: torch gave no file offset for {key!r}")
+        stored[key] = StoredTensor(file, key, tuple(meta.shape), meta.dtype, tuple(meta.stride()),
+                                   meta.storage_offset(), storage.nbytes(), offset)
+    return stored
+
+
+def _ranks_of(folders: dict[tuple[int, ...], Path], directory: Path,
+              model_keys: Callable[[Path], set[str]] = _model_keys) -> dict[tuple[int, ...], Rank]:
     """(tp, pp, ep) of each folder's numbers: a lone second number is a stage unless every file has the final norm."""
     lengths = {len(numbers) for numbers in folders}
     if len(lengths) > 1:
@@ -134,7 +199,7 @@ def _ranks_of(folders: dict[tuple[int, ...], Path], directory: Path) -> dict[tup
         return {numbers: (numbers[0], 0, 0) for numbers in folders}
     if length == 3:
         return {numbers: numbers for numbers in folders}
-    expert_ranks = len(folders) > 1 and all(_LAST_STAGE_KEY in _model_keys(folder / MODEL_FILE)
+    expert_ranks = len(folders) > 1 and all(_LAST_STAGE_KEY in model_keys(folder / MODEL_FILE)
                                             for folder in folders.values())
     return {numbers: (numbers[0], 0, numbers[1]) if expert_ranks else (numbers[0], numbers[1], 0)
             for numbers in folders}
@@ -176,14 +241,11 @@ def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
         state = legacy_state(read_torch_dist_tensors(directory), model, core_version)
         return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=1, pp=1,
                                   format="torch_dist")
-    shards = read_rank_states(directory)
-    tp, pp, ep = (1 + max(rank[i] for rank in shards) for i in range(3))
-    state = merge_shards(shards, model) if len(shards) > 1 else shards[(0, 0, 0)]
     return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=tp, pp=pp, ep=ep)
 
 
-def read_rank_states(directory: Path) -> dict[Rank, dict[str, torch.Tensor]]:
-    """Each (tp, pp, ep) rank's model state of a legacy ``iter_N`` folder, as its file holds it (not merged)."""
+def _rank_folders(directory: Path) -> dict[tuple[int, ...], Path]:
+    """The ``mp_rank_*`` folders of an iteration folder, by the numbers in their names."""
     folders: dict[tuple[int, ...], Path] = {}
     for rank_dir in sorted(directory.iterdir()):
         match = _RANK_DIR.fullmatch(rank_dir.name)
@@ -196,8 +258,127 @@ def read_rank_states(directory: Path) -> dict[Rank, dict[str, torch.Tensor]]:
         folders[tuple(int(g) for g in match.groups() if g is not None)] = rank_dir
     if not folders:
         raise CheckpointError(f"{directory}: no mp_rank_* folders")
-    return _load_sharing_replicas({rank: folders[numbers] / MODEL_FILE
-                                   for numbers, rank in _ranks_of(folders, directory).items()})
+    return folders
+
+
+@dataclass(frozen=True)
+class _FullTensor:
+    """Where a tensor of the full model is: ``parts`` joined on the first axis, ``replicas`` to agree with it."""
+
+    parts: tuple[StoredTensor, ...]
+    replicas: tuple[tuple[StoredTensor, str], ...] = ()  # each with the error to raise when it differs
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.parts[0].shape
+        return (first[0] * len(self.parts), *first[1:]) if len(self.parts) > 1 else first
+
+
+class MegatronStream:
+    """A legacy checkpoint of one tensor rank (any pipeline and expert layout), read a tensor at a time.
+
+    The full model's keys and shapes are known from the pickles alone (``StoredTensor``); each
+    ``tensor`` is then read straight from its rank file, into a buffer the caller keeps from
+    tensor to tensor, and what other ranks hold of it (the non-expert model on every EP rank,
+    the embedding on the MTP stage) is read and checked bit for bit as it goes. So converting
+    holds one rule's tensors in memory, not the model, and never touches fresh memory per tensor.
+    """
+
+    format = "torch"
+
+    def __init__(self, directory: Path, iteration: int, tensors: dict[str, _FullTensor], pp: int, ep: int):
+        self.directory, self.iteration, self.pp, self.ep, self.tp = directory, iteration, pp, ep, 1
+        self._tensors = tensors
+        self._scratch = ReusedBuffer()
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: full.shape for key, full in self._tensors.items()}
+
+    @property
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return {key: full.parts[0].dtype for key, full in self._tensors.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the full model (each tensor once, however many ranks hold it)."""
+        return sum(part.nbytes for full in self._tensors.values() for part in full.parts)
+
+    def tensor(self, key: str, buffer: ReusedBuffer | None = None) -> torch.Tensor:
+        """One tensor of the full model, read into ``buffer`` when given (valid until the buffer is used again)."""
+        full = self._tensors[key]
+        if len(full.parts) == 1:
+            tensor = full.parts[0].read(buffer)
+        else:
+            tensor = buffer.view(full.shape, full.parts[0].dtype) if buffer is not None else torch.empty(
+                full.shape, dtype=full.parts[0].dtype)
+            rows = full.parts[0].shape[0]
+            for index, part in enumerate(full.parts):
+                tensor[index * rows:(index + 1) * rows].copy_(part.read(self._scratch))
+        for replica, error in full.replicas:
+            if replica.shape != tuple(tensor.shape) or replica.dtype != tensor.dtype or not torch.equal(
+                    replica.read(self._scratch), tensor):
+                raise CheckpointError(error)
+        return tensor
+
+
+def open_megatron_stream(path: Path, model: ModelConfig) -> MegatronStream | None:
+    """A legacy checkpoint of tensor parallel size 1 as a ``MegatronStream``; None for a layout merged in memory.
+
+    torch_dist folders and tensor-parallel shards (whose merge concatenates segments of
+    several ranks) are read by ``read_megatron_checkpoint``. The checks are those of the
+    merge: every rank present, the EP ranks of a stage holding the same keys, what ranks
+    hold alike equal bit for bit (when read), each expert on one rank.
+    """
+    directory, iteration = find_iteration_dir(Path(path))
+    if is_torch_dist(directory):
+        return None
+    folders = _rank_folders(directory)
+    stored = {folder / MODEL_FILE: _stored_tensors(folder / MODEL_FILE) for folder in folders.values()}
+    ranks = _ranks_of(folders, directory, lambda file: set(stored[file]))
+    by_rank = {rank: stored[folders[numbers] / MODEL_FILE] for numbers, rank in ranks.items()}
+    pp, ep = (1 + max(rank[i] for rank in by_rank) for i in (1, 2))
+    if any(rank[0] for rank in by_rank):
+        return None
+    missing = [(0, p, e) for p in range(pp) for e in range(ep) if (0, p, e) not in by_rank]
+    if missing:
+        raise CheckpointError(f"shards of ranks (tp, pp, ep) {missing} are missing")
+    local_experts = model.num_experts // ep if model.is_moe else 0
+    tensors: dict[str, _FullTensor] = {}
+    offset = 0
+    for stage in range(pp):
+        keys = list(by_rank[(0, stage, 0)])
+        for e in range(1, ep):
+            if set(by_rank[(0, stage, e)]) != set(keys):
+                raise CheckpointError(f"pipeline stage {stage}: ranks (tp, ep) (0, 0) and (0, {e}) hold different "
+                                      f"keys: {sorted(set(by_rank[(0, stage, e)]) ^ set(keys))[:5]}")
+        layers = {int(m.group(1)) for m in map(_LAYER_KEY.fullmatch, keys) if m}
+        for key in keys:
+            match = _LAYER_KEY.fullmatch(key)
+            name = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else key
+            index = routed_expert_index(name)
+            if index is None or ep == 1:  # held alike by every EP rank
+                first = by_rank[(0, stage, 0)][key]
+                replicas = tuple((by_rank[(0, stage, e)][key], f"{by_rank[(0, stage, e)][key].file}: {key!r} differs "
+                                  "from expert-parallel rank 0's") for e in range(1, ep))
+                if name in tensors:  # the embedding, on the first stage and on the MTP stage
+                    held = tensors[name]
+                    tensors[name] = _FullTensor(held.parts, held.replicas + ((first, f"{name!r} differs between "
+                                                                              "pipeline stages"),) + replicas)
+                else:
+                    tensors[name] = _FullTensor((first,), replicas)
+            elif index == "":  # stacked experts: EP rank e holds rows e * E/EP ...
+                tensors[name] = _FullTensor(tuple(by_rank[(0, stage, e)][key] for e in range(ep)))
+            else:
+                stem = name[:len(name) - len(index)]
+                for e in range(ep):
+                    full_name = f"{stem}{e * local_experts + int(index)}"
+                    if full_name in tensors:
+                        raise CheckpointError(f"{by_rank[(0, stage, e)][key].file}: {key!r} is expert "
+                                              f"{full_name!r}, which another rank holds too")
+                    tensors[full_name] = _FullTensor((by_rank[(0, stage, e)][key],))
+        offset += len(layers)
+    return MegatronStream(directory, iteration, tensors, pp, ep)
 
 
 def _rank_specs(specs: Mapping[str, TensorSpec], model: ModelConfig | None, tp: int, pp: int, ep: int,

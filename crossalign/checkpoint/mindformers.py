@@ -37,22 +37,24 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from crossalign.checkpoint.atomic import save_iteration
-from crossalign.checkpoint.blocks import ReusedBuffer
+from crossalign.checkpoint.blocks import BlockCaster, ReusedBuffer
 from crossalign.checkpoint.errors import CheckpointError
 from crossalign.checkpoint.safetensors_io import (
     DTYPE_NAMES,
     DTYPES,
     FLOATING,
+    SafetensorsWriter,
     TensorInfo,
     read_header,
     read_tensor,
     write_safetensors,
 )
+from crossalign.checkpoint.torch_file import TensorSpec
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
@@ -422,3 +424,34 @@ def write_mindformers_checkpoint(root: Path, iteration: int, model: Mapping[str,
     return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER,
                           lambda folder: _fill_iteration_dir(folder, model, optimizer, common, prefix, split_dim,
                                                              world))
+
+
+def stream_mindformers_checkpoint(root: Path, iteration: int, specs: Mapping[str, TensorSpec],
+                                  tensors: Iterable[tuple[str, torch.Tensor]], common: dict,
+                                  prefix: str = DEFAULT_PREFIX) -> Path:
+    """Save one rank's model given tensor by tensor, as ``write_mindformers_checkpoint`` saves it for world 1.
+
+    ``specs`` announces every tensor (name, shape, stored dtype) in the order ``tensors`` then
+    yields them, each consumed before the next is asked for; a floating tensor of another
+    floating dtype (or a view) goes through a row block buffer, cast on the way. So memory
+    holds one tensor at a time however large the model. Returns the iteration folder.
+    """
+    infos = []
+    for name, spec in specs.items():
+        if spec.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"tensor {name!r} has dtype {spec.dtype}, which safetensors cannot store")
+        infos.append(TensorInfo(name, DTYPE_NAMES[spec.dtype], spec.shape))
+
+    def fill(directory: Path) -> None:
+        caster = BlockCaster()
+        with SafetensorsWriter(directory / checkpoint_file_name(prefix, "model"), infos,
+                               SAFETENSORS_METADATA) as writer:
+            for name, tensor in tensors:
+                spec = specs.get(name)
+                castable = spec is not None and tensor.is_floating_point() and spec.dtype.is_floating_point
+                if castable and (tensor.dtype != spec.dtype or not tensor.is_contiguous()):
+                    writer.write_blocks(name, caster.rows(tensor, spec.dtype))
+                else:
+                    writer.write(name, tensor)
+        (directory / COMMON).write_text(json.dumps(common, ensure_ascii=False, indent=4))
+    return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER, fill)

@@ -191,6 +191,12 @@ def _routed_expert(key: str) -> re.Match | None:
     return _ROUTED_EXPERT.fullmatch(key)
 
 
+def routed_expert_index(key: str) -> str | None:
+    """A routed expert's index in its key ('' for stacked experts), or None for any other key."""
+    match = _routed_expert(key)
+    return None if match is None else match.group(2)
+
+
 def is_routed_expert(key: str) -> bool:
     """Whether a Megatron key is a routed expert's weight (split over expert-parallel ranks, not replicated)."""
     return _routed_expert(key) is not None

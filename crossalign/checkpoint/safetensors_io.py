@@ -20,7 +20,7 @@ from typing import BinaryIO, Iterable, Iterator, Mapping
 import torch
 from safetensors import safe_open
 
-from crossalign.checkpoint.blocks import BLOCK_BYTES, ReusedBuffer
+from crossalign.checkpoint.blocks import BLOCK_BYTES, ReusedBuffer, write_pieces
 from crossalign.checkpoint.errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -170,9 +170,9 @@ class SafetensorsWriter:
             dtype = DTYPE_NAMES.get(block.dtype)
             if name == expected.name and dtype == expected.dtype and (
                     tuple(block.shape) == expected.shape or tuple(block.shape[1:]) == expected.shape[1:]):
-                data = block.detach().contiguous().reshape(-1).view(torch.uint8)
-                self._file.write(memoryview(data.numpy()))
-                written += data.numel()
+                for piece in write_pieces(block.detach().contiguous()):
+                    self._file.write(piece)
+                    written += len(piece)
             else:
                 written = -1
                 break

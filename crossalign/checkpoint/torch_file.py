@@ -21,7 +21,7 @@ from typing import Mapping
 
 import torch
 
-from crossalign.checkpoint.blocks import BlockCaster
+from crossalign.checkpoint.blocks import BlockCaster, write_pieces
 from crossalign.checkpoint.errors import CheckpointError
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then the name and extra-field lengths at bytes 26-29
@@ -130,11 +130,12 @@ def write_to_all(targets: list[tuple[TorchFileWriter, str]], tensor: torch.Tenso
     for writer, offset, dtype in claims:
         by_dtype.setdefault(dtype, []).append((writer, offset))
     for dtype, places in by_dtype.items():
-        blocks = [tensor.contiguous()] if tensor.dtype == dtype else places[0][0]._caster.rows(tensor, dtype)
+        same = tensor.dtype == dtype and tensor.is_contiguous()
+        blocks = [tensor] if same else places[0][0]._caster.rows(tensor, dtype)  # a view is copied a block at a time
         position = 0
         for block in blocks:
-            data = memoryview(block.reshape(-1).view(torch.uint8).numpy())
-            for writer, offset in places:
-                writer._file.seek(offset + position)
-                writer._file.write(data)
-            position += len(data)
+            for piece in write_pieces(block):
+                for writer, offset in places:
+                    writer._file.seek(offset + position)
+                    writer._file.write(piece)
+                position += len(piece)
