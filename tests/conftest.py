@@ -21,6 +21,33 @@ def pynative_writing_pid(run_dir: Path) -> int | None:
     return None
 
 
+def training_writing_pid(run_dir: Path, step: str) -> int | None:
+    """The pid of ``step``'s running attempt (the process that runs the step: in distributed mode, its flow run's
+    process) once the training writes its log into that attempt's staging folder, else None."""
+    from crossalign.store import step_spec
+
+    attempt_file = run_dir / ".attempts" / f"{step}.json"
+    if not attempt_file.exists():
+        return None
+    attempt = json.loads(attempt_file.read_text())
+    if attempt.get("status") != "running":
+        return None
+    staging = f".{step_spec(step).dirname}.partial-{attempt['host']}-{attempt['pid']}-*"
+    if any((folder / "train.log").is_file() and (folder / "train.log").stat().st_size
+           for folder in run_dir.glob(staging)):
+        return int(attempt["pid"])
+    return None
+
+
+def training_processes(pid: int) -> list:
+    """The process ``pid`` and every process it started (psutil.Process): a training of several ranks runs one
+    process per rank beside the step's own (crossalign/backends/local/mcore_trainer.py, ``_train_ranks``)."""
+    import psutil
+
+    step = psutil.Process(pid)
+    return [step, *step.children(recursive=True)]
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """A real ``prefect server`` on a free loopback port, without the scheduler, on PostgreSQL where it is

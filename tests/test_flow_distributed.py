@@ -1,12 +1,16 @@
 """Distributed mode end to end: a real Prefect server, the deployments of prefect.yaml, one process
 worker per pool started by ``crossalign agent start``, the report server (``crossalign serve``), the tiny
-dense alignment through the ``dense-tiny`` deployment, its artifacts and report in headless Chromium, a
-damaged output caught on a Retry, one step redone through the ``rerun`` deployment, the nightly alert."""
+dense alignment through the ``dense-tiny`` deployment (its gpu machine dies during megatron-train and the
+run recovers as the README says), the live alignment artifact while both sides train, a run that fail-fast
+stops, their artifacts and reports in headless Chromium, a damaged output caught on a Retry, one step redone
+through the ``rerun`` deployment, the nightly alert."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, pynative_writing_pid, stop_process
+from conftest import free_port, stop_process, training_processes, training_writing_pid
 from test_live import RUN_TIMEOUT_S as LIVE_RUN_TIMEOUT_S, TINY as LIVE_TINY, _faulty_run
 from crossalign.agents.server import local_agents
 from crossalign.store import STEPS, RunStore
@@ -83,41 +87,91 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _npu_machine_dies(stack, run_dir: Path) -> tuple[int, float]:
-    """While pynative-train writes its log, the npu machine dies as the README's recipe shows it: a second agent
-    of the same name is refused first; then the agent is SIGKILLed (its worker must die with it), then the
-    training process. Nothing is left to report the flow run's end, only its missing heartbeats. Returns
-    the killed pid and when it was killed; restarts the npu agent once the step is marked Crashed."""
-    import psutil
+# the training step each machine's pool runs, which a test kills with the machine
+TRAINING_OF_POOL = {"gpu": "megatron-train", "npu": "pynative-train"}
 
-    killed = _wait_for(lambda: pynative_writing_pid(run_dir), DAG_TIMEOUT_S, "pynative-train writing its log")
-    npu = POOLS.index("npu")
-    agent = stack["agents"][npu]
-    second = _crossalign("agent", "start", "--pool", "npu", "--site", str(stack["site"]), "--name", "local-npu",
+
+def _second_agent_is_refused(stack, pool: str) -> None:
+    """A second agent of the same name beside the live one is refused, naming the one that runs."""
+    second = _crossalign("agent", "start", "--pool", pool, "--site", str(stack["site"]), "--name", f"local-{pool}",
                          env=stack["env"], timeout=60)
     assert second.returncode == 2 and "already running" in second.stderr, second.stdout + second.stderr
+
+
+def _machine_dies(stack, run_dir: Path, pool: str) -> tuple[list[int], float]:
+    """While the training step of ``pool`` writes its log, its machine dies as the README's recipe shows it: the
+    agent is SIGKILLed (its worker must die with it), then the training processes (the step's flow run process
+    and the rank processes it started, if any). Nothing is left to report the flow run's end, only its missing
+    heartbeats. Returns the killed pids and when they were killed."""
+    import psutil
+
+    step = TRAINING_OF_POOL[pool]
+    pid = _wait_for(lambda: training_writing_pid(run_dir, step), DAG_TIMEOUT_S, f"{step} writing its log")
+    training = training_processes(pid)
+    agent = stack["agents"][POOLS.index(pool)]
     worker = psutil.Process(agent.pid).children()[0]
     os.kill(agent.pid, signal.SIGKILL)
     agent.wait(timeout=10)
     _wait_for(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, 10,
               "the worker to die with its agent")
-    os.kill(killed, signal.SIGKILL)
-    return killed, time.monotonic()
+    for process in training:  # psutil.NoSuchProcess here: the step ended before its machine died
+        process.kill()
+    return [process.pid for process in training], time.monotonic()
 
 
-def _restart_agent(stack, pool: str) -> None:
-    with open(stack["root"] / f"worker-{pool}-restarted.log", "w") as log:
+def _restart_agent_as_the_readme_says(stack, pool: str) -> None:
+    """The README's line for a machine that died: `crossalign agent start --pool gpu > agent-gpu.log 2>&1 &`
+    (its default name; the site file as every agent of the test has it, $CROSSALIGN_SITE)."""
+    with open(stack["root"] / f"agent-{pool}.log", "w") as log:
         stack["agents"][POOLS.index(pool)] = subprocess.Popen(
-            [CROSSALIGN, "agent", "start", "--pool", pool, "--site", str(stack["site"]), "--name", f"local-{pool}"],
-            env=stack["env"], stdout=log, stderr=subprocess.STDOUT, cwd=stack["root"])
+            [CROSSALIGN, "agent", "start", "--pool", pool], env=stack["env"], stdout=log, stderr=subprocess.STDOUT,
+            cwd=stack["root"])
+
+
+class _ArtifactVersions:
+    """Each version of the parent's artifact ``key`` (updated in place, so the server keeps only the last) as a
+    poller sees it while the run goes on: (when the server says it was updated, its data)."""
+
+    def __init__(self, flow_run_id, key: str, every_s: float = 0.2):
+        self.flow_run_id, self.key, self.every_s = flow_run_id, key, every_s
+        self.seen: list[tuple[object, str]] = []
+        self._stop = threading.Event()
+        # the thread sees the test's Prefect settings (the session server)
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._poll,), daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _poll(self) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+        with get_client(sync_client=True) as client:
+            while not self._stop.is_set():
+                try:
+                    found = client.read_artifacts(artifact_filter=ArtifactFilter(
+                        key=ArtifactFilterKey(any_=[self.key]), flow_run_id=ArtifactFilterFlowRunId(
+                            any_=[self.flow_run_id])))
+                except Exception:  # an API call lost under load: the next look sees the same or a later version
+                    found = []
+                for artifact in found:
+                    if not self.seen or self.seen[-1][1] != artifact.data:
+                        self.seen.append((artifact.updated, artifact.data))
+                self._stop.wait(self.every_s)
 
 
 @pytest.mark.timeout(1800)  # the DAG, plus the 90 s in which a dead machine is noticed, on 2 busy cores
 def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_settings):
-    """The DAG through the deployments (crash detection as `crossalign deploy` set it up); the npu machine
-    dies while pynative-train writes (agent, then training process, SIGKILL): the child is marked Crashed
-    within the default detection time, the parent retries it as a new child, which the restarted agent
-    runs, and the run still passes."""
+    """The DAG through the deployments (crash detection as `crossalign deploy` set it up); the gpu machine
+    dies while megatron-train writes (agent, then training processes, SIGKILL): the child is marked Crashed
+    within the default detection time, the parent retries it as a new child, which the agent restarted as
+    the README says runs, compare follows it, and the run still passes. The live comparison is shown, and
+    updated, while both trainings run."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId,
                                                 TaskRunFilter, TaskRunFilterFlowRunId)
@@ -132,18 +186,22 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
         "retry_delay_s": 1.0})
     run_dir = stack["store"] / run_id
 
-    killed, killed_at = _npu_machine_dies(stack, run_dir)
-    with get_client(sync_client=True) as client:
-        crashed = _wait_for(lambda: next((r for r in _flow_runs_by_name(client, run_id).values()
-                                          if r.name == f"{run_id}-pynative-train" and r.state.is_crashed()), None),
-                            DEFAULT_ZOMBIE_AFTER_S + 120, "the dead machine's flow run to be marked Crashed")
-        detected_s = time.monotonic() - killed_at
-        print(f"\ndead npu machine detected after {detected_s:.0f} s")
-        assert detected_s <= DEFAULT_ZOMBIE_AFTER_S + 30, detected_s
-        assert "No heartbeat for 90 s" in crashed.state.message
-        _restart_agent(stack, "npu")
-        final = _wait_for(lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(parent.id)),
-                          DAG_TIMEOUT_S, "the parent flow run to finish")
+    with _ArtifactVersions(parent.id, "live-alignment") as live_versions:
+        _second_agent_is_refused(stack, "gpu")
+        killed, killed_at = _machine_dies(stack, run_dir, "gpu")
+        with get_client(sync_client=True) as client:
+            crashed = _wait_for(lambda: next((r for r in _flow_runs_by_name(client, run_id).values()
+                                              if r.name == f"{run_id}-megatron-train" and r.state.is_crashed()),
+                                             None),
+                                DEFAULT_ZOMBIE_AFTER_S + 120, "the dead machine's flow run to be marked Crashed")
+            detected_s = time.monotonic() - killed_at
+            print(f"\ndead gpu machine detected after {detected_s:.0f} s")
+            # the README: "the step is marked Crashed within two minutes"
+            assert detected_s <= DEFAULT_ZOMBIE_AFTER_S + 30, detected_s
+            assert "No heartbeat for 90 s" in crashed.state.message
+            _restart_agent_as_the_readme_says(stack, "gpu")
+            final = _wait_for(lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(parent.id)),
+                              DAG_TIMEOUT_S, "the parent flow run to finish")
     wall = time.monotonic() - started
     assert final.state.is_completed(), f"{final.state.name}: {final.state.message}\n" + _worker_logs(stack)
     assert final.name == run_id, "the parent is named after the store's run id"
@@ -153,23 +211,25 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
     run = RunStore(stack["store"]).run(run_id)
     assert all(run.is_done(spec.name) for spec in STEPS)
     assert not list(run.path.glob(".*partial*"))
-    assert run.manifest("pynative-train")["pid"] != killed
+    assert run.manifest("megatron-train")["pid"] not in killed
     summary = json.loads((run.step_dir("compare") / "summary.json").read_text())
     assert summary["verdict"] == "pass"
     assert run.config.training.train_iters == 20 and run.config.training.base_train_iters == 3
 
     with get_client(sync_client=True) as client:
         children = _flow_runs_by_name(client, run_id)
-        crashed = children[f"{run_id}-pynative-train"]
+        crashed = children[f"{run_id}-megatron-train"]
         assert crashed.state.is_crashed(), crashed.state
-        retried = children[f"{run_id}-pynative-train-2"]
-        assert retried.state.is_completed() and retried.idempotency_key == f"{run_id}:pynative-train:2"
+        retried = children[f"{run_id}-megatron-train-2"]
+        assert retried.state.is_completed() and retried.idempotency_key == f"{run_id}:megatron-train:2"
+        assert set(children) == {run_id, *(f"{run_id}-{spec.name}" for spec in STEPS), retried.name}, \
+            "only megatron-train is retried"
         overheads, queued = {}, {}
         for spec in STEPS:
-            child = retried if spec.name == "pynative-train" else children[f"{run_id}-{spec.name}"]
+            child = retried if spec.name == "megatron-train" else children[f"{run_id}-{spec.name}"]
             assert child.state.is_completed()
             assert child.work_pool_name == spec.pool, f"{spec.name} ran on {child.work_pool_name}"
-            if spec.name != "pynative-train":
+            if spec.name != "megatron-train":
                 assert child.idempotency_key == f"{run_id}:{spec.name}"
             assert child.parent_task_run_id is not None, "the step is linked to the parent as a subflow"
             manifest = run.manifest(spec.name)
@@ -184,7 +244,11 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
         tracking = {t.name for t in task_runs if t.name.endswith(f", host {host}")}
         assert tracking == {f"{spec.name} on {spec.pool}, host {host}" for spec in STEPS}, names
 
-        megatron = children[f"{run_id}-megatron-train"]
+        # what follows megatron-train is done after its retry, by the restarted gpu agent's worker
+        compare = children[f"{run_id}-compare"]
+        assert compare.start_time > retried.end_time, (compare.start_time, retried.end_time)
+        assert retried.start_time > crashed.end_time
+        megatron, pynative = retried, children[f"{run_id}-pynative-train"]
         logs = [entry.message for entry in client.read_logs(
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[megatron.id])))]
         assert any("megatron-train iteration 20/20: lm_loss" in line for line in logs), logs[-20:]
@@ -201,6 +265,17 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
         # the live comparison: one artifact, shown while megatron-train still ran, updated in place to step 20
         assert len(live) == 1 and "steps 1-20 of 20 compared" in live[0].data, live
         assert live[0].created < megatron.end_time and live[0].updated > live[0].created
+        # what the poller saw while the run went on: the first version, shown while both trainings ran, already
+        # compares step 1; it was updated before the last training ended
+        seen_at = [when for when, _ in live_versions.seen]
+        assert seen_at and seen_at[0] < min(megatron.end_time, pynative.end_time), \
+            (seen_at, megatron.end_time, pynative.end_time)
+        first = live_versions.seen[0][1]
+        assert re.search(r"steps 1-\d+ of 20 compared", first), first
+        assert re.search(r"\| lm_loss \| \d+ \| [0-9.e+-]+% \|", first), first
+        assert len([when for when in seen_at if when < max(megatron.end_time, pynative.end_time)]) >= 2, \
+            (seen_at, megatron.end_time, pynative.end_time)
+        assert live_versions.seen[-1][1] == live[0].data
         shown = {a.key: a for a in report}
         rows = json.loads(shown["alignment-steps"].data)
         assert [row["step"] for row in rows] == [spec.dirname for spec in STEPS]
@@ -211,13 +286,44 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
 
     # overhead: from the child's creation to its end, less the step's own committed work (manifest seconds);
     # queued: creation to Running (worker poll, process start, imports, flow load)
-    steady = {k: v for k, v in overheads.items() if k != "pynative-train"}
-    report = {"dag_wall_s": round(wall, 1), "dead_machine_detected_s": round(detected_s, 1), "overhead_per_step_s": {k: round(v, 2) for k, v in overheads.items()},
+    steady = {k: v for k, v in overheads.items() if k != "megatron-train"}
+    report = {"dag_wall_s": round(wall, 1), "dead_machine_detected_s": round(detected_s, 1),
+              "live_versions_seen": len(live_versions.seen),
+              "overhead_per_step_s": {k: round(v, 2) for k, v in overheads.items()},
               "queued_per_step_s": {k: round(v, 2) for k, v in queued.items()},
               "mean_overhead_s": round(sum(steady.values()) / len(steady), 2)}
     (stack["root"] / "timings.json").write_text(json.dumps(report, indent=2))
     print(f"\ndistributed DAG timings: {json.dumps(report)}")
     assert report["mean_overhead_s"] < 30, report
+
+
+@pytest.mark.slow
+def test_fail_fast_through_the_deployments(stack, prefect_client_settings):
+    """Distributed: the trainings run as flow runs on the npu and gpu workers and stop on the request in the
+    shared store; the parent ends Failed with the reason, the children end without completing. (Before the
+    browser test, which shows this run.)"""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from crossalign.tasks.stop import read_stop
+
+    overrides = [*LIVE_TINY, "training.train_iters=200"]
+    run = _faulty_run({"store": stack["store"], "env": stack["env"]}, "fault-dist", overrides)
+    parent = run_deployment("alignment/dense-tiny", timeout=0, parameters={
+        "run_id": "fault-dist", "overrides": overrides, "store": str(stack["store"]), "poll_interval_s": 0.5})
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + LIVE_RUN_TIMEOUT_S
+        while not (final := client.read_flow_run(parent.id)).state.is_final() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert final.state.is_failed() and "stopped early at step 1 of 200" in final.state.message, final.state
+        children = {r.name: r for r in client.read_flow_runs() if r.name.startswith("fault-dist-")}
+    for step in ("megatron-train", "pynative-train"):
+        child = children[f"fault-dist-{step}"]
+        assert child.state.is_final() and not child.state.is_completed(), child.state
+        assert not run.is_done(step) and "stopped early" in run.attempt(step)["error"]
+    trained = {step: s["trained_steps"] for step, s in read_stop(run)["stopped"].items()}
+    assert all(1 <= n <= 10 for n in trained.values()), trained
+    assert (run.path / "live" / "report.html").exists() and "live/report.html" in final.state.message
 
 
 def _chromium() -> str | None:
@@ -231,52 +337,97 @@ def _browse(url: str, out: Path, *, screenshot: bool = False) -> str:
             "--window-size=1400,1800"]
     if screenshot:
         subprocess.run([*base, f"--screenshot={out}", url], capture_output=True, timeout=180)
-    return subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
+    dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
+    out.with_suffix(".html").write_text(dom)  # what the assertions read, kept for a failure's reader
+    return dom
+
+
+def _parent_and_artifacts(client, run_id: str):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterName
+
+    parent = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_id])))[0]
+    return parent, {a.key: a for a in client.read_artifacts(
+        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[parent.id])))}
+
+
+def _fetch(url: str) -> tuple[str, bytes]:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200, url
+        return response.headers["content-type"], response.read()
 
 
 def test_artifacts_and_report_open_in_a_browser(stack, prefect_client_settings):
     """What a user sees in headless Chromium: the parent run's artifacts in the Prefect UI show the verdict
-    and the plot from the report server, the plot loads, the report link opens over HTTP."""
+    and the plot from the report server, the plot loads, the report link opens over HTTP; the live alignment
+    artifact shows the comparison of both trainings and its plot; the run page links the report. The run
+    that fail-fast stopped shows Failed, why, and the live report of what both sides logged."""
     if _chromium() is None:
         pytest.skip("headless Chromium is not installed (scripts/setup.sh --dev installs it)")
-    import urllib.request
-
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter,
-                                                FlowRunFilterName)
 
-    run_id = "e2e-dense"
+    run_id, ui, served, root = "e2e-dense", stack["ui_url"], stack["report_url"], stack["root"]
     if not (stack["store"] / run_id / "06-compare").exists():
         pytest.skip("needs the finished run of the first test")
     with get_client(sync_client=True) as client:
-        parent = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_id])))[0]
-        artifacts = {a.key: a for a in client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[parent.id])))}
-    plot = f"{stack['report_url']}{run_id}/06-compare/loss.png"
-    report = f"{stack['report_url']}{run_id}/06-compare/report.html"
-    page = _browse(f"{stack['ui_url']}/artifacts/artifact/{artifacts['compare-loss-plot'].id}",
-                   stack["root"] / "plot-artifact.png", screenshot=True)
+        parent, artifacts = _parent_and_artifacts(client, run_id)
+    plot = f"{served}{run_id}/06-compare/loss.png"
+    report = f"{served}{run_id}/06-compare/report.html"
+    page = _browse(f"{ui}/artifacts/artifact/{artifacts['compare-loss-plot'].id}", root / "plot-artifact.png",
+                   screenshot=True)
     assert "verdict: pass" in page and f'<img src="{plot}">' in page, page[-3000:]
     assert f"run {run_id}: verdict pass; report" in page, "the run's final message is shown beside it"
-    assert (stack["root"] / "plot-artifact.png").stat().st_size > 0
-    with urllib.request.urlopen(plot, timeout=30) as response:
-        assert response.status == 200 and response.headers["content-type"] == "image/png"
-        assert response.read()[:4] == b"\x89PNG"
-    page = _browse(f"{stack['ui_url']}/artifacts/artifact/{artifacts['compare-report-link'].id}",
-                   stack["root"] / "link-artifact.png")
+    assert (root / "plot-artifact.png").stat().st_size > 0
+    kind, data = _fetch(plot)
+    assert kind == "image/png" and data[:4] == b"\x89PNG"
+    page = _browse(f"{ui}/artifacts/artifact/{artifacts['compare-report-link'].id}", root / "link-artifact.png")
     assert f'href="{report}"' in page, page[-3000:]
+    # the state message is plain text wherever Prefect shows it; the parent's log line of it links the report
+    page = _browse(f"{ui}/runs/flow-run/{parent.id}", root / "run.png", screenshot=True)
+    assert f'href="{report}"' in page, "the run page links the report (its log line of the final message)"
+
+    # the live comparison as it was last updated: both sides' errors so far, the decision, its plot
+    page = _browse(f"{ui}/artifacts/artifact/{artifacts['live-alignment'].id}", root / "live-artifact.png",
+                   screenshot=True)
+    assert "Live alignment: steps 1-20 of 20 compared" in page, page[-3000:]
+    assert all(column in page for column in ("step1_rel_err", "mean_rel_err_so_far", "comove_so_far")), page[-3000:]
+    assert "lm_loss" in page and "Outcome: open" in page
+    live_plot = f"{served}{run_id}/live/loss.png?step=20"
+    assert f'src="{live_plot}"' in page, page[-3000:]
+    kind, data = _fetch(live_plot)
+    assert kind == "image/png" and data[:4] == b"\x89PNG"
+
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("alignment/dense-tiny")
-    form = _browse(f"{stack['ui_url']}/deployments/deployment/{deployment.id}/run", stack["root"] / "form.png",
-                   screenshot=True)
+    form = _browse(f"{ui}/deployments/deployment/{deployment.id}/run", root / "form.png", screenshot=True)
     for shown in ("MODEL-YYYYMMDD-HHMMSS-XXXX", "one KEY=VALUE per item", "qwen35_moe_tiny) or"):
         assert shown in form, f"the run form shows {shown!r} as written"
     assert "str | str" not in form
-    page = _browse(report, stack["root"] / "report.png", screenshot=True)
+    page = _browse(report, root / "report.png", screenshot=True)
     assert "class=\"verdict\">PASS<" in page, page[:2000]
     assert f"<h1>run {run_id}</h1>" in page, "the report names its run"
-    assert f'href="{stack["ui_url"]}/runs/flow-run/{parent.id}"' in page, "and links back to it in Prefect"
-    assert (stack["root"] / "report.png").stat().st_size > 0
+    assert f'href="{ui}/runs/flow-run/{parent.id}"' in page, "and links back to it in Prefect"
+    assert (root / "report.png").stat().st_size > 0
+
+    # the run fail-fast stopped (test_fail_fast_through_the_deployments)
+    stopped_id = "fault-dist"
+    if not (stack["store"] / stopped_id / "live" / "report.html").exists():
+        pytest.skip("needs the stopped run of the fail-fast test")
+    with get_client(sync_client=True) as client:
+        stopped, stopped_artifacts = _parent_and_artifacts(client, stopped_id)
+    live_report = f"{served}{stopped_id}/live/report.html"
+    page = _browse(f"{ui}/runs/flow-run/{stopped.id}", root / "stopped-run.png", screenshot=True)
+    assert "Failed" in page and f"run {stopped_id}: verdict fail, stopped early at step 1 of 200" in page, page[-3000:]
+    assert f'href="{live_report}"' in page, "the run page links the live report (its log line of the final message)"
+    page = _browse(f"{ui}/artifacts/artifact/{stopped_artifacts['live-alignment'].id}",
+                   root / "stopped-live-artifact.png", screenshot=True)
+    assert "Outcome decided at step 1: the run cannot pass." in page, page[-3000:]
+    assert "both trainings are stopped" in page, page[-3000:]
+    assert "verdict fail, stopped early at step 1 of 200" in page, "the run's final message is shown beside it"
+    page = _browse(live_report, root / "stopped-report.png", screenshot=True)
+    assert "class=\"verdict\">FAIL<" in page and "stopped early at step 1 of 200" in page, page[:3000]
+    assert f'href="{ui}/runs/flow-run/{stopped.id}"' in page, "the live report links back to its run"
 
 
 def _retry_from_the_ui(client, flow_run_id) -> None:
@@ -356,12 +507,9 @@ def test_rerun_deployment_redoes_one_step_and_its_downstream(stack, prefect_clie
 def test_flow_parameters_are_validated_like_set(stack, prefect_client_settings):
     """A deployment run with an unknown override key or a config that is neither shipped nor a valid file
     fails before any step, naming the key or the file."""
-    from prefect.deployments import run_deployment
-
-    import re
-
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
+    from prefect.deployments import run_deployment
 
     # typed in the form's list with quotes, which the list keeps; no run_id: a new run's id is made
     bad_key = run_deployment("alignment/dense-tiny", timeout=DAG_TIMEOUT_S, poll_interval=1, parameters={
@@ -470,32 +618,5 @@ def test_automations_are_created_and_the_nightly_failure_alert_fires(stack, pref
 
 
 def _worker_logs(stack) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(stack["root"].glob("worker-*.log")))
-
-
-@pytest.mark.slow
-def test_fail_fast_through_the_deployments(stack, prefect_client_settings):
-    """Distributed: the trainings run as flow runs on the npu and gpu workers and stop on the request in the
-    shared store; the parent ends Failed with the reason, the children end without completing."""
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-
-    from crossalign.tasks.stop import read_stop
-
-    overrides = [*LIVE_TINY, "training.train_iters=200"]
-    run = _faulty_run({"store": stack["store"], "env": stack["env"]}, "fault-dist", overrides)
-    parent = run_deployment("alignment/dense-tiny", timeout=0, parameters={
-        "run_id": "fault-dist", "overrides": overrides, "store": str(stack["store"]), "poll_interval_s": 0.5})
-    with get_client(sync_client=True) as client:
-        deadline = time.monotonic() + LIVE_RUN_TIMEOUT_S
-        while not (final := client.read_flow_run(parent.id)).state.is_final() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert final.state.is_failed() and "stopped early at step 1 of 200" in final.state.message, final.state
-        children = {r.name: r for r in client.read_flow_runs() if r.name.startswith("fault-dist-")}
-    for step in ("megatron-train", "pynative-train"):
-        child = children[f"fault-dist-{step}"]
-        assert child.state.is_final() and not child.state.is_completed(), child.state
-        assert not run.is_done(step) and "stopped early" in run.attempt(step)["error"]
-    trained = {step: s["trained_steps"] for step, s in read_stop(run)["stopped"].items()}
-    assert all(1 <= n <= 10 for n in trained.values()), trained
-    assert (run.path / "live" / "report.html").exists() and "live/report.html" in final.state.message
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(stack["root"].glob("worker-*.log"))
+                     + sorted(stack["root"].glob("agent-*.log")))
