@@ -209,3 +209,40 @@ def test_each_data_parallel_rank_takes_its_micro_batches_as_megatrons_sampler_de
     tokens = torch.arange(8).view(8, 1)
     assert [t.view(-1).tolist() for t in data_parallel_share(tokens, 2, 2, 1)] == [[2, 3], [6, 7]]
     assert [t.view(-1).tolist() for t in data_parallel_share(tokens, 2, 1, 0)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_rank_that_loaded_other_tensors_than_its_file_holds_fails_naming_the_tensor_and_the_rank_file(tmp_path):
+    """EP 2: each rank records what it loaded and the printing rank holds every record against that rank's own
+    file of the sharded checkpoint, before the first step. Here the run is handed the full state while its
+    checkpoint's mp_rank_00_001 lacks one routed expert: that rank's record names it."""
+    import shutil
+
+    from crossalign.backends.local.mcore_trainer import TrainingError, run_training
+    from crossalign.checkpoint.megatron import MODEL_FILE
+
+    config = load_config("qwen35_moe_tiny", [f"training.train_iters=2", *SHORT[1:], "parallel.megatron.expert=2",
+                                             "parallel.megatron.cards_per_node=2"])
+    write_mindformers_checkpoint(tmp_path / "mindformers", 1, random_mindformers_state(config.model, seed=11), None,
+                                 default_common(1, config.training.global_batch_size))
+    convert_checkpoint(config.model, "ms2mg", tmp_path / "mindformers", tmp_path / "converted",
+                       core_version=config.training.megatron_core_version, dtype="fp32", ep=2)
+    state = read_megatron_checkpoint(tmp_path / "converted", config.model).state
+    shutil.copytree(tmp_path / "converted", tmp_path / "faulty")
+    rank_file = next((tmp_path / "faulty").glob("iter_*")) / "mp_rank_00_001" / MODEL_FILE
+    saved = torch.load(rank_file, weights_only=False)
+    missing = "decoder.layers.1.mlp.experts.linear_fc2.weight1"  # EP rank 1's local expert 1 (global expert 5)
+    del saved["model"][missing]
+    torch.save(saved, rank_file)
+
+    batches = list(np.random.default_rng(0).integers(0, config.model.vocab_size, (2, 4, 33), dtype=np.int64))
+    request = TrainRequest(config=config, side="megatron", mode="align",
+                           data=DatasetFiles(tmp_path / "data", tmp_path / "tokenizer.json"),
+                           output_dir=tmp_path / "megatron", init_checkpoint=tmp_path / "faulty")
+    with pytest.raises(TrainingError) as caught:
+        run_training(request, state, 1, batches)
+    message = str(caught.value)
+    assert (f"Megatron rank mp_rank_00_001 ({tmp_path / 'megatron' / 'load_digest' / 'mp_rank_00_001.json'}) vs the "
+            f"checkpoint {tmp_path / 'faulty'}") in message
+    assert f"1 not in the checkpoint, so left at its initial value: {missing}" in message
+    assert "never loaded" not in message and "other values" not in message
+    assert " iteration        1/" not in (tmp_path / "megatron" / "train.log").read_text()  # before the first step

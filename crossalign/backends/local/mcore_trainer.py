@@ -14,6 +14,11 @@ the grad norm from the optimizer step, the learning rate from the optimizer afte
 scheduler's step. :class:`MegatronLogLines` prints them as ``training_log`` does for the
 configured core version, the iteration-2 mean included.
 
+What was loaded is verified before the first step (SPEC item 13, the load digest): one process
+against the state it was given (:func:`verify_loaded`); in a sharded run each rank records what it
+holds in the GPU launcher's digest file (:func:`write_shard_digest`) and the printing rank holds
+every record against that rank's own file of the sharded checkpoint (:func:`verify_shards`).
+
 It all runs inside :func:`megatron_core_on_cpu` (the CPU workarounds), entered only here, in
 the step's training process.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -78,9 +84,12 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
     layout = config.parallel.megatron
     with CudaLiteralsToCpu():
         net = build_gpt_model(config.model, training, bf16=bf16, layout=layout)
-    load_converted_state(net, state, config.model, training.megatron_core_version, Shard.of_this_process(layout))
-    if layout.world_size == 1:  # a process of a sharded run holds its shard only
+    shard = Shard.of_this_process(layout)
+    load_converted_state(net, state, config.model, training.megatron_core_version, shard)
+    if layout.world_size == 1:
         verify_loaded(net, state, request)
+    else:  # a process of a sharded run holds its shard only: held against its rank's file, see verify_shards
+        write_shard_digest(net, request, shard)
     # --bf16: get_model wraps the model in Float16Module (every parameter bf16, the forward in bf16) and
     # get_megatron_optimizer keeps fp32 main copies of them (Float16OptimizerWithFloat16Params)
     module = Float16Module(net.config, net) if bf16 else net
@@ -120,6 +129,87 @@ def verify_loaded(net, state: Mapping[str, torch.Tensor], request: TrainRequest)
     compare_loaded(torch_digests(net.state_dict()), split_stacked_experts(state, config.model.num_experts),
                    what=f"megatron-core GPTModel vs the checkpoint {request.init_checkpoint}",
                    rename=lambda name: names.get(name, name))
+
+
+def write_shard_digest(net, request: TrainRequest, shard) -> Path | None:
+    """This rank's load digest, in the file the GPU launcher writes (``patches/megatron/pretrain_qwen35.py``
+    ``write_load_digest``: ``{"rank": <rank folder>, "tensors": {name: {shape, dtype, sha256}}}`` in
+    ``<output>/load_digest/<rank folder>.json``), so that the real step's :func:`verify_load_digest` reads it.
+
+    The folder is the rank's checkpoint folder ``mp_rank_TT[_PPP][_EEE]`` and the names are the checkpoint's
+    TE names with stage-local layer numbers (as :func:`save_checkpoint` writes them). As Megatron's legacy save,
+    only expert-data-parallel rank 0 of each (tensor, pipeline, expert) rank writes; None on the others.
+    """
+    from megatron.core import parallel_state as ps
+
+    from crossalign.backends.local.mcore_model import stage_names
+    from crossalign.backends.megatron import LOAD_DIGEST_DIR
+    from crossalign.checkpoint.digest import torch_digests, write_digest
+    from crossalign.checkpoint.megatron import rank_dir_name
+
+    if ps.get_expert_data_parallel_rank() != 0:
+        return None
+    config, layout = request.config, request.config.parallel.megatron
+    local = torch_digests(net.state_dict())
+    names = stage_names(local, config.model, config.training.megatron_core_version, shard.first_layer(config.model),
+                        to_local=False)
+    folder = rank_dir_name(shard.tensor_rank, shard.pipeline_rank, layout.pipeline, shard.expert_rank, layout.expert)
+    return write_digest(request.output_dir / LOAD_DIGEST_DIR / f"{folder}.json",
+                        {names.get(key, key): digest for key, digest in local.items()}, rank=folder)
+
+
+def verify_shards(request: TrainRequest) -> int:
+    """Hold every rank's load digest (``<output>/load_digest/<rank folder>.json``) against the file of the same
+    rank folder in the sharded checkpoint ``init_checkpoint``, with the real step's comparison and wording
+    (``backends/megatron.py`` ``verify_load_digest``); the number of tensors verified.
+
+    Only the folders some rank loads are held: where the expert ranks fold onto the tensor ranks (TP 2 x EP 2,
+    ETP 1 on two processes) the converted checkpoint also has mp_rank_00_001 and mp_rank_01_000, which no
+    rank reads, as Megatron's own load reads only its rank's folder.
+    """
+    from crossalign.backends.megatron import LOAD_DIGEST_DIR
+    from crossalign.checkpoint.digest import LoadDigestError, compare_loaded, read_digest, split_stacked_experts
+    from crossalign.checkpoint.megatron import MODEL_FILE, find_iteration_dir
+
+    checkpoint = Path(request.init_checkpoint)
+    directory, _ = find_iteration_dir(checkpoint)
+    digests = sorted((request.output_dir / LOAD_DIGEST_DIR).glob("mp_rank_*.json"))
+    if not digests:
+        raise LoadDigestError(f"{request.output_dir / LOAD_DIGEST_DIR}: no rank recorded what it loaded")
+    verified = 0
+    for path in digests:
+        rank = path.stem
+        file = directory / rank / MODEL_FILE
+        if not file.exists():
+            raise LoadDigestError(f"{file}: rank {rank} loaded its shard, but the checkpoint {checkpoint} has no "
+                                  "file for it")
+        model = torch.load(file, map_location="cpu", weights_only=True)["model"]
+        state = {key: value for key, value in model.items()
+                 if isinstance(value, torch.Tensor) and not key.endswith("_extra_state")}
+        loaded = read_digest(path)
+        compare_loaded(loaded, split_stacked_experts(state, request.config.model.num_experts),
+                       what=f"Megatron rank {rank} ({path}) vs the checkpoint {checkpoint}")
+        verified += len(loaded)
+    return verified
+
+
+def _verified_by_the_last_rank(request: TrainRequest, prints: bool) -> int:
+    """Once every rank has written its load digest, the printing rank verifies them all (:func:`verify_shards`)
+    and tells every rank the outcome: on a fault each rank raises the same error before the first step (no
+    rank is left waiting in a collective for one that stopped, which would report a lost connection instead)."""
+    from crossalign.checkpoint.errors import CheckpointError
+
+    torch.distributed.barrier()
+    outcome: list[object] = [None]
+    if prints:
+        try:
+            outcome = [verify_shards(request)]
+        except CheckpointError as exc:  # LoadDigestError among them
+            outcome = [exc]
+    torch.distributed.broadcast_object_list(outcome, src=torch.distributed.get_world_size() - 1)
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return int(outcome[0])
 
 
 def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, request: TrainRequest) -> IterationStats:
@@ -213,6 +303,11 @@ def _train_rank(request: TrainRequest, state: Mapping[str, torch.Tensor], checkp
         emit(f"building GPT model ... ({IMPLEMENTATION}, local modules on CPU)")
         emit(f" loading checkpoint from {request.init_checkpoint} at iteration {checkpoint_iteration}")
         ddp, optimizer, scheduler = _build(request, state)
+        if group is not None:
+            verified = _verified_by_the_last_rank(request, prints)
+            if prints:
+                emit(f"crossalign: load digest of every rank verified against {request.init_checkpoint}: "
+                     f"{verified} tensors")
         emit(" > number of parameters on (tensor, pipeline) model parallel rank "
              f"({parallel_state.get_tensor_model_parallel_rank()}, {parallel_state.get_pipeline_model_parallel_rank()}"
              f"): {sum(p.numel() for p in ddp.module.parameters())}")
@@ -294,6 +389,13 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
     if len(batches) < total:
         raise ValueError(f"{request.data.prefix}: {len(batches)} global batches for {total} iterations")
     request.output_dir.mkdir(parents=True, exist_ok=True)
+    if request.config.parallel.megatron.world_size > 1:
+        if request.init_checkpoint is None:
+            raise ValueError("init_checkpoint: a sharded run verifies what each rank loaded against its file of the "
+                             "checkpoint, and needs it")
+        from crossalign.backends.megatron import LOAD_DIGEST_DIR
+
+        shutil.rmtree(request.output_dir / LOAD_DIGEST_DIR, ignore_errors=True)  # only this run's ranks' records
     started = time.perf_counter()
     if request.config.parallel.megatron.world_size == 1:
         _train_rank(request, state, checkpoint_iteration, batches)
