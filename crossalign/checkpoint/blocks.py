@@ -64,12 +64,19 @@ class BlockCaster:
 
     def rows(self, tensor: torch.Tensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
         """``tensor`` cast to ``dtype`` in consecutive row blocks of at most about ``max_bytes`` (at least one row)."""
-        if tensor.dim() == 0:
-            yield from self.cast_blocks([tensor], dtype)
-            return
-        row_bytes = max(1, tensor[0].numel() * dtype.itemsize)
-        step = max(1, self.max_bytes // row_bytes)
-        yield from self.cast_blocks((tensor[start:start + step] for start in range(0, len(tensor), step)), dtype)
+        yield from self.cast_blocks(row_blocks(tensor, dtype, self.max_bytes), dtype)
+
+
+def row_blocks(tensor: torch.Tensor, dtype: torch.dtype, max_bytes: int) -> Iterator[torch.Tensor]:
+    """Views of consecutive row blocks of ``tensor`` that are at most about ``max_bytes`` in ``dtype`` (at least
+    one row; a 0-d tensor is one block)."""
+    if tensor.dim() == 0:
+        yield tensor
+        return
+    row_bytes = max(1, tensor[0].numel() * dtype.itemsize)
+    step = max(1, max_bytes // row_bytes)
+    for start in range(0, len(tensor), step):
+        yield tensor[start:start + step]
 
 
 @contextmanager

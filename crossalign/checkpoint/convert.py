@@ -16,11 +16,10 @@ so memory holds one rule's tensors whatever the model size.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Iterable, Iterator, Literal
 
 import torch
 
@@ -148,6 +147,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                                                  ep=ep, etp=etp)
         files = sorted(written.glob("mp_rank_*/*.pt"))
     elif tp == 1 and (stream := open_megatron_stream(input_dir, model)) is not None:
+        # Each rule's inputs read into reused buffers and its outputs written as they come; what
+        # several ranks hold is checked against its replicas meanwhile, before the output is kept.
         shapes = stream.shapes
         experts_in = expert_form_of(shapes)
         check_state(shapes, megatron_shapes(model, core_version, experts_in), f"Megatron checkpoint "
@@ -159,12 +160,17 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         bytes_in, bytes_out = stream.nbytes, sum(spec.nbytes for spec in specs.values())
         specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
         iteration, source_format = stream.iteration, stream.format
-        read = reused_reads(stream)  # cast as read, as the merged path below casts before the rules
-        outputs = rule_outputs(plan, lambda keys: [cast(tensor, dtype) for tensor in read(keys)], keys_in, False,
-                               progress)
-        with one_thread():
-            written = stream_mindformers_checkpoint(output_dir, iteration, specs,
-                                                    itertools.chain(outputs, buffers.items()),
+        read = reused_reads(stream)
+
+        def outputs() -> Iterator[tuple[str, torch.Tensor]]:
+            # cast as read, as the merged path below casts before the rules
+            yield from rule_outputs(plan, lambda keys: [cast(tensor, dtype) for tensor in read(keys)], keys_in,
+                                    False, progress)
+            yield from buffers.items()
+            stream.check_replicas()  # before the writer keeps the folder
+
+        with stream, one_thread():
+            written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(),
                                                     default_common(iteration, global_batch_size))
         files = sorted(written.glob("*.safetensors"))
     else:
@@ -190,3 +196,4 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                          seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype,
                          format=ckpt_format if direction == "ms2mg" else source_format, fault=fault,
                          output_validated=fault is None, notes=notes)
+

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from crossalign.checkpoint.reshard import (
     shard_tensor,
 )
 from crossalign.checkpoint.torch_dist import fill_torch_dist, is_torch_dist, legacy_state, read_torch_dist_tensors
-from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter, write_to_all
+from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter, WriteBehind, write_to_all
 from crossalign.config import ModelConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -279,9 +280,12 @@ class MegatronStream:
 
     The full model's keys and shapes are known from the pickles alone (``StoredTensor``); each
     ``tensor`` is then read straight from its rank file, into a buffer the caller keeps from
-    tensor to tensor, and what other ranks hold of it (the non-expert model on every EP rank,
-    the embedding on the MTP stage) is read and checked bit for bit as it goes. So converting
-    holds one rule's tensors in memory, not the model, and never touches fresh memory per tensor.
+    tensor to tensor. So converting holds one rule's tensors in memory, not the model, and
+    never touches fresh memory per tensor. What other ranks hold of a tensor (the non-expert
+    model on every EP rank, the embedding on the MTP stage) is read and checked bit for bit
+    against it on a thread of its own, with buffers of its own, while the caller goes on:
+    ``check_replicas`` waits for those checks and raises the first difference, and must be
+    called before the conversion's output is kept. Use it in a ``with`` block.
     """
 
     format = "torch"
@@ -290,6 +294,9 @@ class MegatronStream:
         self.directory, self.iteration, self.pp, self.ep, self.tp = directory, iteration, pp, ep, 1
         self._tensors = tensors
         self._scratch = ReusedBuffer()
+        self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-checks")
+        self._checks: list[Future] = []
+        self._reference, self._replica = ReusedBuffer(), ReusedBuffer()  # the checker's own
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -315,11 +322,34 @@ class MegatronStream:
             rows = full.parts[0].shape[0]
             for index, part in enumerate(full.parts):
                 tensor[index * rows:(index + 1) * rows].copy_(part.read(self._scratch))
-        for replica, error in full.replicas:
-            if replica.shape != tuple(tensor.shape) or replica.dtype != tensor.dtype or not torch.equal(
-                    replica.read(self._scratch), tensor):
-                raise CheckpointError(error)
+        if full.replicas:
+            self._checks.append(self._checker.submit(self._check, full))
         return tensor
+
+    def _check(self, full: _FullTensor) -> None:
+        """On the checker thread: every replica of a (one-part) tensor equals it bit for bit."""
+        reference = full.parts[0].read(self._reference)
+        for replica, error in full.replicas:
+            if replica.shape != tuple(reference.shape) or replica.dtype != reference.dtype or not torch.equal(
+                    replica.read(self._replica), reference):
+                raise CheckpointError(error)
+
+    def check_replicas(self) -> None:
+        """Wait for the checks of every tensor read so far; raise the first one's error (in reading order)."""
+        checks, self._checks = self._checks, []
+        for check in checks:
+            check.result()
+
+    def close(self) -> None:
+        for check in self._checks:
+            check.cancel()
+        self._checker.shutdown(wait=True)
+
+    def __enter__(self) -> "MegatronStream":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.close()
 
 
 def open_megatron_stream(path: Path, model: ModelConfig) -> MegatronStream | None:
@@ -408,6 +438,7 @@ def _fill_iteration_dir(directory: Path, iteration: int, specs: Mapping[str, Ten
             file = directory / rank_dir_name(t, p, pp, e, ep) / MODEL_FILE
             file.parent.mkdir(parents=True)
             writers[(t, p, e)] = open_files.enter_context(TorchFileWriter(file, fields, "model", rank_specs, caster))
+        behind = open_files.enter_context(WriteBehind())  # closed, so its writes done, before the files close
         announced = iter(specs)
         for key, tensor in tensors:
             if key != next(announced, None):
@@ -418,7 +449,7 @@ def _fill_iteration_dir(directory: Path, iteration: int, specs: Mapping[str, Ten
                 same.setdefault(id(shard), []).append((writers[rank], local_key))
                 shards[id(shard)] = shard
             for identity, targets in same.items():
-                write_to_all(targets, shards[identity])
+                write_to_all(targets, shards[identity], behind)
 
 
 def stream_megatron_checkpoint(root: Path, iteration: int, specs: Mapping[str, TensorSpec],
