@@ -127,6 +127,9 @@ def main() -> None:
               f"{r['seconds'] / r['cp_seconds']:>9.2f}{r['peak_rss'] / 1e6:>8.0f}{r['largest'] / 1e6:>9.0f}"
               f"{r['peak_rss'] / r['largest']:>12.2f}")
     print("target: time/cp <= 1.5 (cp of the step's input and output files); RSS/largest output file is printed")
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} on "
+          f"{os.cpu_count()} CPUs (the steps overlap writes and checks on a second core: a busy machine slows them "
+          "more than cp)")
     failed = [r["step"] for r in rows if r["seconds"] / r["cp_seconds"] > 1.5]
     for step in failed:
         print(f"MISSED: {step}")

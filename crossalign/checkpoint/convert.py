@@ -11,7 +11,9 @@ output check on purpose, with a warning.
 MindSpore -> Megatron streams: the output keys are checked and the Megatron files laid out
 from the tables before any tensor is read, then each rule reads its inputs into reused
 buffers and its outputs go straight into their records, cast on the way (``torch_file.py``),
-so memory holds one rule's tensors whatever the model size.
+so memory holds one rule's tensors whatever the model size. Megatron -> MindSpore streams
+the same way from a legacy checkpoint of tensor parallel size 1 (any pipeline and expert
+layout, ``MegatronStream``); a tensor-parallel or torch_dist one is merged in memory first.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ stage or an EP rank: the contents tell, as only the last stage holds the final n
 Each file holds ``{"checkpoint_version": 3.0, "iteration": N, "model": {...}}`` and nothing
 else, so it loads with torch's default ``weights_only=True`` and needs no patch to Megatron
 (an ``args`` Namespace is optional for ``--finetune`` and is left out). Files are written a
-tensor at a time (``torch_file.py``), so saving never holds a second copy of the model.
+tensor at a time (``torch_file.py``), so saving never holds a second copy of the model, and
+read a tensor at a time when the tensor parallel size is 1 (``MegatronStream``).
 """
 
 from __future__ import annotations
