@@ -85,12 +85,12 @@ def store(tmp_path_factory) -> RunStore:
     return RunStore(tmp_path_factory.mktemp("store"))
 
 
-def embedded_run(store: RunStore, config: str, run_id: str):
+def embedded_run(store: RunStore, config: str, run_id: str, overrides: tuple[str, ...] = ()):
     """A run whose steps 1-4 ran embedded: its converted checkpoint, dataset and megatron-core losses."""
     from crossalign.tasks.prepare import prepare_run
 
     run = prepare_run(store, config, run_id=run_id, overrides=["training.train_iters=5", "training.lr_warmup_iters=2",
-                                                                "training.base_train_iters=3"])
+                                                                "training.base_train_iters=3", *overrides])
     for step in STEPS:
         subprocess.run([sys.executable, "-m", "crossalign.tasks", "--store", str(store.root), "--run", run_id,
                         "--step", step, "--embedded"], check=True, capture_output=True, timeout=900)
@@ -116,6 +116,11 @@ def test_rehearsal_trains_five_iterations_as_the_embedded_run_does(store: RunSto
     assert embedded is not None and sorted(embedded) == [1, 2, 3, 4, 5]
     diffs = max_abs_diff(result.losses, embedded)
     assert set(diffs) == names and max(diffs.values()) <= PRINT_PRECISION, diffs
+    # the run trains in bf16 (training.bf16, the launch passes --bf16): the report says fp32 stood in for it
+    assert (result.generated_precision, result.precision) == ("bf16", "fp32")
+    assert "--bf16" in {change.flag for change in result.argument_changes}
+    assert result.precision_statement.startswith("precision: fp32 stood in for the generated --bf16")
+    assert "(fp32 both)" in result.embedded_comparison(embedded, run.config.training.embedded_precision)
     # the step's own launch, unchanged but for the listed argument changes: its script is next to ours
     assert (tmp_path / "gpu" / "run_megatron.sh").exists()
     args = (tmp_path / "gpu" / "megatron_args.txt").read_text().split()
@@ -149,3 +154,50 @@ def test_a_renamed_and_a_missing_expert_tensor_fail_the_rehearsal_naming_both(st
     # what core_v0.16.1 prints after the failed strict load (the fixture logs carry this exact line)
     at = log.index("load_return: None")
     assert any("successfully loaded checkpoint" in line for line in log[at:at + 5])
+
+
+def _rehearsal(precision: str, generated: str) -> "GpuRehearsal":
+    from crossalign.rehearsal.gpu import GpuRehearsal
+
+    return GpuRehearsal(folder=Path("r"), log=Path("r/train.log"), checkout=Path("m"), megatron_core="0.16.1",
+                        argument_changes=[], workarounds=[], losses={1: {"lm_loss": 7.312234}},
+                        precision=precision, generated_precision=generated)
+
+
+def test_the_report_says_in_which_precision_the_rehearsal_trained_and_what_stood_in():
+    assert _rehearsal("bf16", "bf16").precision_statement.startswith("precision: bf16, as the generated launch")
+    assert _rehearsal("fp32", "fp32").precision_statement == "precision: fp32, as the generated launch (no --bf16)"
+    assert "fp32 stood in for the generated --bf16" in _rehearsal("fp32", "bf16").precision_statement
+    embedded = {1: {"lm_loss": 7.312124}}
+    assert "which trained in fp32 while this rehearsal trained in bf16 (not comparable to print precision)" in \
+        _rehearsal("bf16", "bf16").embedded_comparison(embedded, "fp32")
+    assert "(bf16 both), max |diff|: lm_loss 1.1e-04" in _rehearsal("bf16", "bf16").embedded_comparison(embedded, "bf16")
+    # the one stand-in only --bf16 needs is listed where it applied
+    assert "CpuTensorTypesAsCuda" in dict(megatron_cpu.workarounds(bf16=True))
+    assert "CpuTensorTypesAsCuda" not in dict(megatron_cpu.workarounds())
+
+
+@needs_checkout
+@pytest.mark.timeout(1800)
+def test_a_bf16_run_rehearsed_with_its_bf16_trains_in_bf16_on_the_cpu(store: RunStore, tmp_path: Path):
+    """--bf16 kept (crossalign rehearse --bf16): Megatron's Float16Module and bf16 optimizer run on the CPU, the load
+    digest holds the bf16 parameters against the checkpoint rounded to bf16, and the losses are the embedded
+    megatron-core step's in bf16 (training.embedded_precision) where no update has changed the weights yet."""
+    from crossalign.rehearsal.gpu import embedded_losses, max_abs_diff, rehearse_gpu
+
+    run = embedded_run(store, "qwen35_dense_tiny", "dense-tiny-bf16", ("training.embedded_precision=bf16",))
+    result = rehearse_gpu(run, Path(CHECKOUT), tmp_path / "gpu", fp32=False)
+    assert (result.generated_precision, result.precision) == ("bf16", "bf16")
+    assert "--bf16" not in {change.flag for change in result.argument_changes}
+    assert "CpuTensorTypesAsCuda" in dict(result.workarounds)
+    assert "--bf16" in (tmp_path / "gpu" / "rehearse_megatron.sh").read_text()
+    log = (tmp_path / "gpu" / "train.log").read_text()
+    assert "  bf16 ............................................ True" in log
+    assert sorted(result.losses) == [1, 2, 3, 4, 5] and result.digest_tensors > 0
+    embedded = embedded_losses(run)
+    # iteration 1 and 2 (the warmup's first step applies lr 0) run the same bf16 forward on the same weights
+    assert max(max_abs_diff({i: result.losses[i] for i in (1, 2)}, embedded).values()) <= PRINT_PRECISION
+    # after the first update they drift apart by bf16 rounding (core_v0.16.1: 1.1e-4 on lm_loss by iteration 3, of
+    # 7.3); the fp32 rehearsal of the same launch equals the embedded fp32 run to print precision (above)
+    assert max(max_abs_diff(result.losses, embedded).values()) <= 5e-4
+    assert "(bf16 both)" in result.embedded_comparison(embedded, run.config.training.embedded_precision)

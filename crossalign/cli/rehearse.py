@@ -77,7 +77,7 @@ def rehearse(
 def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32: bool) -> bool:
     from crossalign.backends.launch import BackendRunError, BackendSetupError
     from crossalign.checkpoint.errors import CheckpointError
-    from crossalign.rehearsal.gpu import embedded_losses, max_abs_diff, rehearse_gpu
+    from crossalign.rehearsal.gpu import embedded_losses, rehearse_gpu
     from crossalign.rehearsal.megatron_cpu import MegatronCpuError
 
     console.print(f"gpu: rehearsing {run.run_id}'s megatron-train launch with {checkout} in {folder} ...")
@@ -90,6 +90,7 @@ def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32:
     console.print(f"gpu: ran Megatron-LM {result.megatron_core} ({checkout}): torchrun, 1 process, "
                   f"patches/megatron/pretrain_qwen35.py -> pretrain_gpt.py -> pretrain(), gloo, on CPU; "
                   f"{len(result.losses)} iterations; load digest verified for {result.digest_tensors} tensors")
+    console.print(f"gpu: {result.precision_statement}", highlight=False)
     if result.core_differences:
         console.print(f"[yellow]gpu: the checkout's megatron/core differs from the installed megatron-core in "
                       f"{len(result.core_differences)} files[/] (e.g. {', '.join(result.core_differences[:5])}): the "
@@ -109,9 +110,8 @@ def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32:
         line = "  ".join(f"{name} {value:.6E}" for name, value in sorted(losses.items()))
         console.print(f"  iteration {iteration}: {line}")
     if embedded is not None:
-        diffs = max_abs_diff(result.losses, embedded)
-        console.print("gpu: against the run's embedded megatron-core step, max |diff|: "
-                      + ", ".join(f"{name} {value:.1e}" for name, value in sorted(diffs.items())))
+        console.print("gpu: " + result.embedded_comparison(embedded, run.config.training.embedded_precision),
+                      highlight=False)
     return True
 
 

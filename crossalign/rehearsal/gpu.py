@@ -5,7 +5,15 @@ generated arguments and ``run_megatron.sh``), then run by torchrun with one proc
 ``patches/megatron/pretrain_qwen35.py`` and the site's Megatron-LM checkout, that is Megatron's
 own ``pretrain()``. What a CPU cannot do is stood in for, and listed in the report:
 the argument changes and runtime workarounds of :mod:`crossalign.rehearsal.megatron_cpu`, and
-the checkpoint handed to Megatron under the local-module names (``te_local.py``). After the run,
+the checkpoint handed to Megatron under the local-module names (``te_local.py``).
+
+Precision: a run whose config trains in bf16 (``training.bf16``) is launched with ``--bf16``. The
+rehearsal drops it by default and trains in fp32, the embedded megatron-core step's default
+precision, so that its losses can be held against that step's to print precision; the report
+says so (:attr:`GpuRehearsal.precision_statement`). With ``fp32=False`` (``crossalign rehearse
+--bf16``) it keeps ``--bf16`` and Megatron trains in bf16 on the CPU as on the GPU: its
+Float16Module casts the model to bf16, the optimizer keeps fp32 main weights, and the load digest
+holds the bf16 parameters against the checkpoint rounded to bf16. After the run,
 the step's own checks run on it: the log (:func:`verify_megatron_log`) and the load digest
 (:func:`verify_load_digest`, against the converted checkpoint under its TE names).
 """
@@ -43,6 +51,27 @@ class GpuRehearsal:
     losses: dict[int, dict[str, float]] = field(default_factory=dict)
     digest_tensors: int = 0
     core_differences: list[str] = field(default_factory=list)  # .py files unlike the installed megatron-core's
+    precision: str = "fp32"            # what Megatron trained in here: "bf16" (--bf16 kept) or "fp32"
+    generated_precision: str = "fp32"  # what the step's generated launch trains in ("bf16": it passes --bf16)
+
+    @property
+    def precision_statement(self) -> str:
+        """The report's line on precision: what the launch asks for, what ran, and what was stood in."""
+        if self.precision == self.generated_precision == "bf16":
+            return ("precision: bf16, as the generated launch (--bf16 kept: Megatron's Float16Module and fp32 main "
+                    "weights, in bf16 on the CPU)")
+        if self.precision == self.generated_precision:
+            return "precision: fp32, as the generated launch (no --bf16)"
+        return ("precision: fp32 stood in for the generated --bf16 (dropped, so the losses can be held against "
+                "the embedded fp32 run; crossalign rehearse --bf16 keeps it)")
+
+    def embedded_comparison(self, embedded: dict[int, dict[str, float]], embedded_precision: str) -> str:
+        """The report's line holding these losses against the run's embedded megatron-core step's."""
+        diffs = ", ".join(f"{name} {value:.1e}" for name, value in sorted(max_abs_diff(self.losses, embedded).items()))
+        if embedded_precision == self.precision:
+            return f"against the run's embedded megatron-core step ({embedded_precision} both), max |diff|: {diffs}"
+        return (f"against the run's embedded megatron-core step, which trained in {embedded_precision} while this "
+                f"rehearsal trained in {self.precision} (not comparable to print precision), max |diff|: {diffs}")
 
 
 def logged_losses(log: Path) -> dict[int, dict[str, float]]:
@@ -113,6 +142,8 @@ def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Pat
     generated = (folder / ARGS_FILE).read_text().split()
     real = backend.run_script(request, generated)
     args, changes = megatron_cpu.cpu_arguments(generated, fp32=fp32)
+    generated_precision = "bf16" if "--bf16" in generated else "fp32"
+    precision = "bf16" if "--bf16" in args else "fp32"
     args = _replace_value(args, "--load", str(write_local_checkpoint(init, folder, run)))
     entry = Path(real.command[real.command.index("--nproc_per_node") + 2])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "1",
@@ -129,9 +160,10 @@ def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Pat
 
     return GpuRehearsal(folder=folder, log=log, checkout=checkout,
                         megatron_core=".".join(map(str, megatron_core_version(checkout) or ())),
-                        argument_changes=changes, workarounds=megatron_cpu.workarounds(),
+                        argument_changes=changes, workarounds=megatron_cpu.workarounds(bf16=precision == "bf16"),
                         losses=logged_losses(log), digest_tensors=tensors,
-                        core_differences=core_differences(checkout))
+                        core_differences=core_differences(checkout), precision=precision,
+                        generated_precision=generated_precision)
 
 
 

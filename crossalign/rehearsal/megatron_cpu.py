@@ -238,11 +238,14 @@ def self_test() -> None:
         raise MegatronCpuError("Megatron-LM on CPU: " + "; ".join(problems))
 
 
-def workarounds() -> list[tuple[str, str]]:
-    """(name, reason) of every runtime stand-in, megatron-core's first: what the rehearsal report lists."""
+def workarounds(bf16: bool = False) -> list[tuple[str, str]]:
+    """(name, reason) of every runtime stand-in, megatron-core's first: what the rehearsal report lists
+    (``bf16``: the run kept --bf16, which :func:`main` answers with one stand-in more)."""
     listed = [(w.name, w.reason) for w in (*mcore_cpu.WORKAROUNDS, *TRAINING_WORKAROUNDS)]
     listed.append(("CudaToCpu", "device='cuda' literals, Tensor.cuda() and .to('cuda') kept on the CPU"))
-    listed.append(("CpuTensorTypesAsCuda (--bf16 only)", "the bf16 optimizer accepts only CUDA tensor type names"))
+    if bf16:
+        listed.append(("CpuTensorTypesAsCuda", "under --bf16 the optimizer (Float16OptimizerWithFloat16Params) "
+                                               "accepts only CUDA tensor type names"))
     listed.append(("torch._dynamo disabled",
                    "megatron-core's jit_fuser compiles with torch.compile; nothing gained on CPU"))
     return listed
