@@ -206,7 +206,7 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
     assert final.state.is_completed(), f"{final.state.name}: {final.state.message}\n" + _worker_logs(stack)
     assert final.name == run_id, "the parent is named after the store's run id"
     report_link = f"{stack['report_url']}{run_id}/06-compare/report.html"
-    assert final.state.message == f"run {run_id}: verdict pass; report {report_link}"
+    assert final.state.message == f"run {run_id}: verdict pass; report {report_link} (judged lm_loss, mtp_1_loss)"
 
     run = RunStore(stack["store"]).run(run_id)
     assert all(run.is_done(spec.name) for spec in STEPS)
@@ -386,6 +386,7 @@ def test_artifacts_and_report_open_in_a_browser(stack, prefect_client_settings):
     # the state message is plain text wherever Prefect shows it; the parent's log line of it links the report
     page = _browse(f"{ui}/runs/flow-run/{parent.id}", root / "run.png", screenshot=True)
     assert f'href="{report}"' in page, "the run page links the report (its log line of the final message)"
+    assert f'href="{report}\'' not in page, "no link takes the quote of the engine's Completed('...') line"
 
     # the live comparison as it was last updated: both sides' errors so far, the decision, its plot
     page = _browse(f"{ui}/artifacts/artifact/{artifacts['live-alignment'].id}", root / "live-artifact.png",
@@ -420,6 +421,7 @@ def test_artifacts_and_report_open_in_a_browser(stack, prefect_client_settings):
     page = _browse(f"{ui}/runs/flow-run/{stopped.id}", root / "stopped-run.png", screenshot=True)
     assert "Failed" in page and f"run {stopped_id}: verdict fail, stopped early at step 1 of 200" in page, page[-3000:]
     assert f'href="{live_report}"' in page, "the run page links the live report (its log line of the final message)"
+    assert f'href="{live_report}\'' not in page, "no link takes the quote of the engine's Failed('...') line"
     page = _browse(f"{ui}/artifacts/artifact/{stopped_artifacts['live-alignment'].id}",
                    root / "stopped-live-artifact.png", screenshot=True)
     assert "Outcome decided at step 1: the run cannot pass." in page, page[-3000:]

@@ -304,10 +304,12 @@ def _align(*, config: str | None, run_id: str, overrides: list[str], store: str 
     verdict = summary.get("verdict")
     report = run.step_dir("compare") / "report.html"
     where = run_url(run, report) or str(report)
-    message = f"run {run_id}: verdict {verdict}; report {where}"
+    # the URL is followed by a space: Prefect's log view links a URL up to whitespace, ")" or a quote, and
+    # its engine line quotes the message (Completed('...')), so a URL at the end would link with the quote
     reasons = summary.get("reasons") or []
-    if verdict != "pass" and reasons:
-        message += " (" + "; ".join(str(reason) for reason in reasons) + ")"
+    judged = [name for name in summary.get("series", {}) if name == "lm_loss" or name.startswith("mtp_")]
+    said = [str(reason) for reason in reasons] if verdict != "pass" and reasons else [f"judged {', '.join(judged)}"]
+    message = f"run {run_id}: verdict {verdict}; report {where} ({'; '.join(said)})"
     logger.info(message)
     outcome = {"run_id": run_id, "verdict": verdict, "report_dir": str(run.step_dir("compare")), "report": where,
                "summary": summary}

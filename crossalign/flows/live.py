@@ -333,11 +333,11 @@ def stopped_outcome(run: Run, decision: Decision, logger: Any):
         try:
             write_outputs(summary, snapshot.merged, folder, run_link={"run_id": run.run_id, "url": flow_run.get("url")})
             report = run_url(run, folder / "report.html") or str(folder / "report.html")
-            where = f"; report {report}"
+            where = f"; report {report}"  # followed by a space, as the DAG's final message (flows/alignment.py)
         except Exception as exc:  # a report that cannot be written must not hide the verdict
             logger.warning(f"fail-fast: report not written in {folder}: {type(exc).__name__}: {exc}")
-    message = (f"run {run.run_id}: verdict fail, stopped early at step {decision.step} of {total}: {decision.reason}; "
-               f"stopped {trained} ({stopped_in:.1f} s after the stop request); {savings}{where}")
+    message = (f"run {run.run_id}: verdict fail, stopped early at step {decision.step} of {total}: {decision.reason}"
+               f"{where} (stopped {trained}, {stopped_in:.1f} s after the stop request; {savings})")
     logger.warning(message)
     return failed(message, {"run_id": run.run_id, "verdict": "fail", "report": report,
                             "stopped_early": read_stop(run)})
