@@ -134,3 +134,79 @@ def test_the_embedded_megatron_core_side_names_both_and_verifies_a_clean_load(tm
     for name in (local_renamed, MISSING.replace("linear_fc2.weight0", "local_experts.0.linear_fc2.weight"),
                  RENAMED[1]):
         assert name in str(caught.value)
+
+
+def _rank_of_each(generator, token: str) -> dict[int, int]:
+    """global rank -> its rank within its ``token`` group, from megatron-core's own RankGenerator."""
+    return {rank: groups.index(rank) for groups in generator.get_ranks(token) for rank in groups}
+
+
+@pytest.mark.parametrize("tp, pp, ep, etp, world", [
+    (1, 1, 1, 1, 1), (2, 1, 1, 2, 2), (2, 2, 1, 2, 8), (1, 1, 2, 1, 2), (2, 1, 2, 1, 2), (2, 1, 2, 1, 4),
+    (2, 2, 4, 2, 16), (4, 2, 2, 1, 16), (1, 2, 8, 1, 32),
+])
+def test_the_folders_each_layout_loads_are_the_ones_megatron_cores_ranks_name(tp, pp, ep, etp, world):
+    """Each rank loads get_checkpoint_name(its tensor, pipeline, expert rank): the ranks as megatron-core's
+    own RankGenerator places them (core_v0.16.1 megatron/core/parallel_state.py:775-805, default order)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from crossalign.checkpoint.megatron import loaded_rank_folders, rank_dir_name
+
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order=order)
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+    tensor, pipeline, experts = _rank_of_each(dense, "tp"), _rank_of_each(dense, "pp"), _rank_of_each(expert, "ep")
+    expected = sorted({rank_dir_name(tensor[r], pipeline[r], pp, experts[r], ep) for r in range(world)})
+    assert loaded_rank_folders(tp, pp, ep, etp, world) == expected
+
+
+def test_a_folded_expert_layout_is_verified_on_the_folders_its_ranks_load(tmp_path: Path):
+    """TP 2 x EP 2 with ETP 1 on two GPUs: the conversion writes four rank folders, the two ranks load two
+    (mp_rank_00_000, mp_rank_01_001). Their digests suffice; a missing one of them is named."""
+    from crossalign.checkpoint.convert import convert_checkpoint
+    from crossalign.checkpoint.digest import split_stacked_experts, write_digest
+    from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+
+    config = load_config("qwen35_moe_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.expert=2",
+                                             "parallel.megatron.expert_tensor=1",
+                                             "parallel.megatron.sequence_parallel=true",
+                                             "parallel.megatron.cards_per_node=2"])
+    write_mindformers_checkpoint(tmp_path / "ms", 1, random_mindformers_state(config.model, seed=3), None,
+                                 default_common(1, config.training.global_batch_size))
+    convert_checkpoint(config.model, "ms2mg", tmp_path / "ms", tmp_path / "mg", tp=2, ep=2, etp=1)
+    iteration = next((tmp_path / "mg").glob("iter_*"))
+    assert sorted(p.name for p in iteration.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
+                                                           "mp_rank_01_001"]
+    folder = tmp_path / "load_digest"
+    for rank in ("mp_rank_00_000", "mp_rank_01_001"):
+        model = torch.load(iteration / rank / "model_optim_rng.pt", weights_only=True)["model"]
+        state = {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        write_digest(folder / f"{rank}.json", torch_digests(split_stacked_experts(state, config.model.num_experts)),
+                     rank=rank)
+    assert verify_load_digest(folder, tmp_path / "mg", config) > 0
+    (folder / "mp_rank_01_001.json").unlink()
+    with pytest.raises(LoadDigestError, match="wrote no load digest for rank mp_rank_01_001"):
+        verify_load_digest(folder, tmp_path / "mg", config)
+
+
+def _launcher_writes_its_digest(rank: int, world: int, folder: str, sizes: dict) -> None:
+    """One rank of a gloo group at ``sizes``: the launcher's write_load_digest after a (stand-in) load."""
+    from crossalign.backends.local.mcore_cpu import ProcessGroup, megatron_core_on_cpu
+    from crossalign.backends.local.mcore_model import layer_specs_module
+
+    launcher = layer_specs_module()
+    with megatron_core_on_cpu(1, ProcessGroup(rank, world, f"file://{folder}/rendezvous", **sizes)):
+        launcher.write_load_digest([torch.nn.Linear(2, 2)], f"{folder}/load_digest")
+
+
+def test_the_launcher_names_each_digest_after_the_folder_its_ranks_load(tmp_path: Path):
+    """patches/megatron/pretrain_qwen35.py at TP 2 x EP 2 with ETP 1 on two ranks: one file per folder a rank
+    loads, with its expert rank (mp_rank_00_000, mp_rank_01_001), as the step's verification asks for them."""
+    import torch.multiprocessing as mp
+
+    from crossalign.checkpoint.megatron import loaded_rank_folders
+
+    sizes = {"tensor": 2, "expert": 2, "expert_tensor": 1}
+    mp.spawn(_launcher_writes_its_digest, nprocs=2, join=True, args=(2, str(tmp_path), sizes))
+    written = sorted(p.stem for p in (tmp_path / "load_digest").glob("*.json"))
+    assert written == loaded_rank_folders(2, 1, 2, 1, 2) == ["mp_rank_00_000", "mp_rank_01_001"]

@@ -67,6 +67,19 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int
     return name if ep == 1 else f"{name}_{ep_rank:03d}"
 
 
+def loaded_rank_folders(tp: int, pp: int, ep: int, etp: int, world: int) -> list[str]:
+    """The checkpoint folders the ``world`` ranks of a layout load, each rank its own (get_checkpoint_name,
+    core_v0.16.1 megatron/training/checkpointing.py:162-201).
+
+    megatron-core places ranks in its default order tp-cp-ep-dp-pp (megatron/core/parallel_state.py:562,
+    the dense and expert RankGenerators at :775-805): a rank's tensor rank is rank mod TP, its expert rank
+    (rank div ETP) mod EP, its pipeline rank rank div (world / PP). Where the expert ranks fold onto the
+    tensor ranks (TP 2 x EP 2 with ETP 1 on two cards) fewer folders are loaded than a converter writes.
+    """
+    per_stage = world // pp
+    return sorted({rank_dir_name(rank % tp, rank // per_stage, pp, (rank // etp) % ep, ep) for rank in range(world)})
+
+
 @dataclass
 class MegatronCheckpoint:
     """A Megatron checkpoint merged into one full state dict (``_extra_state`` entries dropped)."""
@@ -243,7 +256,28 @@ def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
         state = legacy_state(read_torch_dist_tensors(directory), model, core_version)
         return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=1, pp=1,
                                   format="torch_dist")
+    shards = read_rank_states(directory)
+    tp, pp, ep = (1 + max(rank[i] for rank in shards) for i in range(3))
+    state = merge_shards(shards, model) if len(shards) > 1 else shards[(0, 0, 0)]
     return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=tp, pp=pp, ep=ep)
+
+
+def read_rank_states(directory: Path) -> dict[Rank, dict[str, torch.Tensor]]:
+    """Each (tp, pp, ep) rank's model state of a legacy ``iter_N`` folder, as its file holds it (not merged)."""
+    folders: dict[tuple[int, ...], Path] = {}
+    for rank_dir in sorted(directory.iterdir()):
+        match = _RANK_DIR.fullmatch(rank_dir.name)
+        if not match:
+            if rank_dir.name.startswith("mp_rank_"):
+                raise CheckpointError(f"{rank_dir}: not a rank folder of the form mp_rank_TT[_PPP][_EEE]")
+            continue
+        if not (rank_dir / MODEL_FILE).exists():
+            raise CheckpointError(f"{rank_dir}: {MODEL_FILE} is missing")
+        folders[tuple(int(g) for g in match.groups() if g is not None)] = rank_dir
+    if not folders:
+        raise CheckpointError(f"{directory}: no mp_rank_* folders")
+    return _load_sharing_replicas({rank: folders[numbers] / MODEL_FILE
+                                   for numbers, rank in _ranks_of(folders, directory).items()})
 
 
 def _rank_folders(directory: Path) -> dict[tuple[int, ...], Path]:

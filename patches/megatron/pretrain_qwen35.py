@@ -234,8 +234,9 @@ def write_load_digest(model, folder: str) -> str | None:
     non-strictly and prints ``load_return: None`` (the DDP and Float16Module wrappers drop the
     result: core_v0.16.1 megatron/training/checkpointing.py:1759-1767,
     megatron/core/distributed/data_parallel_base.py:90-96, megatron/core/transformer/module.py:511-514),
-    and the weights it did not find stay random. One file per model-parallel rank (the first
-    data-parallel replica writes it), named like the rank's checkpoint folder.
+    and the weights it did not find stay random. One file per checkpoint folder, named like it
+    (``mp_rank_TT[_PPP][_EEE]``, core_v0.16.1 megatron/training/checkpointing.py:162-201), written by
+    the ranks that would save that folder: expert-data-parallel rank 0 (checkpointing.py:583-585).
     """
     import json
 
@@ -244,13 +245,16 @@ def write_load_digest(model, folder: str) -> str | None:
     if torch.distributed.is_initialized():
         from megatron.core import parallel_state as mpu
 
-        if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:
+        if mpu.get_expert_data_parallel_rank() != 0:
             return None
         tp, pp = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
         pp_size = mpu.get_pipeline_model_parallel_world_size()
+        ep, ep_size = mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size()
     else:  # no process group: one process holds the whole model
-        tp, pp, pp_size = 0, 0, 1
+        tp, pp, pp_size, ep, ep_size = 0, 0, 1, 0, 1
     name = f"mp_rank_{tp:02d}" if pp_size == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
+    if ep_size > 1:
+        name += f"_{ep:03d}"
     tensors = {}
     for chunk in model:
         for key, value in _unwrapped(chunk).state_dict().items():
