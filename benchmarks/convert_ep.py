@@ -128,8 +128,7 @@ def main() -> None:
               f"{r['peak_rss'] / r['largest']:>12.2f}")
     print("target: time/cp <= 1.5 (cp of the step's input and output files); RSS/largest output file is printed")
     print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} on "
-          f"{os.cpu_count()} CPUs (the steps overlap writes and checks on a second core: a busy machine slows them "
-          "more than cp)")
+          f"{os.cpu_count()} CPUs (mg2ms checks EP replicas on a second core: a busy machine slows it more than cp)")
     failed = [r["step"] for r in rows if r["seconds"] / r["cp_seconds"] > 1.5]
     for step in failed:
         print(f"MISSED: {step}")

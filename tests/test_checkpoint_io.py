@@ -31,7 +31,7 @@ from crossalign.checkpoint.safetensors_io import (
     read_tensor,
     write_safetensors,
 )
-from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter, WriteBehind, write_to_all
+from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter
 
 TENSORS = {
     "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
@@ -247,23 +247,6 @@ def test_torch_file_written_tensor_by_tensor_loads_with_weights_only(tmp_path):
         assert loaded["model"][name].dtype == specs[name].dtype
         assert torch.equal(loaded["model"][name], tensor.to(specs[name].dtype))
     assert torch.serialization.get_unsafe_globals_in_checkpoint(file) == []
-
-
-def test_torch_files_written_behind_on_a_thread_hold_every_block_where_it_belongs(tmp_path):
-    """Blocks cast through a ring of 2 buffers of 8 bytes, written to two files by one thread: many more blocks
-    than buffers, so a buffer reused before its write was done would show as wrong values."""
-    tensors = {"w": torch.randn(37, 3).bfloat16(), "t": torch.randn(4, 9).t(), "same": torch.arange(10.0),
-               "step": torch.arange(4)}
-    specs = {name: TensorSpec(tuple(t.shape), torch.float32 if t.is_floating_point() else t.dtype)
-             for name, t in tensors.items()}
-    files = [tmp_path / "a.pt", tmp_path / "b.pt"]
-    with TorchFileWriter(files[0], {}, "model", specs) as a, TorchFileWriter(files[1], {}, "model", specs) as b:
-        with WriteBehind(max_bytes=8, slots=2) as behind:
-            for name, tensor in tensors.items():
-                write_to_all([(a, name), (b, name)], tensor, behind)
-    for file in files:
-        loaded = torch.load(file, weights_only=True)["model"]
-        assert all(torch.equal(loaded[name], tensor.to(specs[name].dtype)) for name, tensor in tensors.items())
 
 
 def test_torch_file_rejects_what_was_not_announced(tmp_path):

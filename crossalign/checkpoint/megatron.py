@@ -45,7 +45,7 @@ from crossalign.checkpoint.reshard import (
     shard_tensor,
 )
 from crossalign.checkpoint.torch_dist import fill_torch_dist, is_torch_dist, legacy_state, read_torch_dist_tensors
-from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter, WriteBehind, write_to_all
+from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter, write_to_all
 from crossalign.config import ModelConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -473,7 +473,6 @@ def _fill_iteration_dir(directory: Path, iteration: int, specs: Mapping[str, Ten
             file = directory / rank_dir_name(t, p, pp, e, ep) / MODEL_FILE
             file.parent.mkdir(parents=True)
             writers[(t, p, e)] = open_files.enter_context(TorchFileWriter(file, fields, "model", rank_specs, caster))
-        behind = open_files.enter_context(WriteBehind())  # closed, so its writes done, before the files close
         announced = iter(specs)
         for key, tensor in tensors:
             if key != next(announced, None):
@@ -484,7 +483,7 @@ def _fill_iteration_dir(directory: Path, iteration: int, specs: Mapping[str, Ten
                 same.setdefault(id(shard), []).append((writers[rank], local_key))
                 shards[id(shard)] = shard
             for identity, targets in same.items():
-                write_to_all(targets, shards[identity], behind)
+                write_to_all(targets, shards[identity])
 
 
 def stream_megatron_checkpoint(root: Path, iteration: int, specs: Mapping[str, TensorSpec],

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import struct
 import zipfile
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
-from crossalign.checkpoint.blocks import BLOCK_BYTES, BlockCaster, ReusedBuffer, row_blocks, write_pieces
+from crossalign.checkpoint.blocks import BlockCaster, write_pieces
 from crossalign.checkpoint.errors import CheckpointError
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, then the name and extra-field lengths at bytes 26-29
@@ -118,69 +117,12 @@ class TorchFileWriter:
             self._file.close()
 
 
-def _write_block(places: list[tuple[TorchFileWriter, int]], position: int, block: torch.Tensor) -> None:
-    for piece in write_pieces(block):
-        for writer, offset in places:
-            writer._file.seek(offset + position)
-            writer._file.write(piece)
-        position += len(piece)
-
-
-class WriteBehind:
-    """Writes cast row blocks on a thread of its own while the caller's thread casts the next ones.
-
-    Casting and writing are each bound by memory bandwidth, and a write to the page cache
-    costs about twice the cast of its block: with the writes on a second core, the cast (and
-    the reads and rules before it) cost almost nothing more. Blocks go through a ring of
-    ``slots`` buffers, each reused once its writes are done; all writes go through the one
-    thread, in order. A tensor already in its stored dtype is written from its own memory,
-    which belongs to the caller, so that write is waited for. ``close`` waits for every write
-    (and raises a failed one's error); it must come before the files close.
-    """
-
-    def __init__(self, max_bytes: int = BLOCK_BYTES, slots: int = 4):
-        self.max_bytes = max_bytes
-        self._buffers = [ReusedBuffer() for _ in range(slots)]
-        self._writes: list[Future | None] = [None] * slots
-        self._slot = 0
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writes")
-
-    def write(self, places: list[tuple[TorchFileWriter, int]], tensor: torch.Tensor, dtype: torch.dtype) -> None:
-        if tensor.dtype == dtype and tensor.is_contiguous():
-            self._thread.submit(_write_block, places, 0, tensor).result()
-            return
-        position = 0
-        for rows in row_blocks(tensor, dtype, self.max_bytes):
-            slot, self._slot = self._slot, (self._slot + 1) % len(self._buffers)
-            if self._writes[slot] is not None:
-                self._writes[slot].result()
-            block = self._buffers[slot].view(tuple(rows.shape), dtype).copy_(rows)
-            self._writes[slot] = self._thread.submit(_write_block, places, position, block)
-            position += block.numel() * dtype.itemsize
-
-    def close(self) -> None:
-        try:
-            for write in self._writes:
-                if write is not None:
-                    write.result()
-        finally:
-            self._thread.shutdown(wait=True)
-
-    def __enter__(self) -> "WriteBehind":
-        return self
-
-    def __exit__(self, kind, value, traceback) -> None:
-        self.close()
-
-
-def write_to_all(targets: list[tuple[TorchFileWriter, str]], tensor: torch.Tensor,
-                 behind: WriteBehind | None = None) -> None:
+def write_to_all(targets: list[tuple[TorchFileWriter, str]], tensor: torch.Tensor) -> None:
     """Write one tensor as the next announced record of several files (each under its name there).
 
     A tensor that several ranks hold alike (replicated over expert-parallel ranks) is cast once,
     block by block, and each block goes to every file while it is in the CPU cache: casting it
-    again for every file would cost as much as the writes. With ``behind`` the writes run on
-    its thread.
+    again for every file would cost as much as the writes.
     """
     claims = [(writer, *writer._claim(name, tensor)) for writer, name in targets]
     tensor = tensor.detach()
@@ -188,9 +130,6 @@ def write_to_all(targets: list[tuple[TorchFileWriter, str]], tensor: torch.Tenso
     for writer, offset, dtype in claims:
         by_dtype.setdefault(dtype, []).append((writer, offset))
     for dtype, places in by_dtype.items():
-        if behind is not None:
-            behind.write(places, tensor, dtype)
-            continue
         same = tensor.dtype == dtype and tensor.is_contiguous()
         blocks = [tensor] if same else places[0][0]._caster.rows(tensor, dtype)  # a view is copied a block at a time
         position = 0
