@@ -264,18 +264,7 @@ def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
 
 def read_rank_states(directory: Path) -> dict[Rank, dict[str, torch.Tensor]]:
     """Each (tp, pp, ep) rank's model state of a legacy ``iter_N`` folder, as its file holds it (not merged)."""
-    folders: dict[tuple[int, ...], Path] = {}
-    for rank_dir in sorted(directory.iterdir()):
-        match = _RANK_DIR.fullmatch(rank_dir.name)
-        if not match:
-            if rank_dir.name.startswith("mp_rank_"):
-                raise CheckpointError(f"{rank_dir}: not a rank folder of the form mp_rank_TT[_PPP][_EEE]")
-            continue
-        if not (rank_dir / MODEL_FILE).exists():
-            raise CheckpointError(f"{rank_dir}: {MODEL_FILE} is missing")
-        folders[tuple(int(g) for g in match.groups() if g is not None)] = rank_dir
-    if not folders:
-        raise CheckpointError(f"{directory}: no mp_rank_* folders")
+    folders = _rank_folders(directory)
     return _load_sharing_replicas({rank: folders[numbers] / MODEL_FILE
                                    for numbers, rank in _ranks_of(folders, directory).items()})
 
