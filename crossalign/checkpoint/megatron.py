@@ -44,6 +44,7 @@ from crossalign.checkpoint.reshard import (
     shard_shapes,
     shard_tensor,
 )
+from crossalign.checkpoint.safetensors_io import read_into
 from crossalign.checkpoint.torch_dist import fill_torch_dist, is_torch_dist, legacy_state, read_torch_dist_tensors
 from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter, write_to_all
 from crossalign.config import ModelConfig
@@ -178,15 +179,9 @@ class StoredTensor:
         return view.clone() if buffer is None else buffer.view(self.shape, self.dtype).copy_(view)
 
     def _read_at(self, offset: int, target: torch.Tensor) -> None:
-        data = memoryview(target.reshape(-1).view(torch.uint8).numpy())
         with open(self.file, "rb", buffering=0) as handle:
             handle.seek(offset)
-            done = 0
-            while done < len(data):
-                got = handle.readinto(data[done:])
-                if not got:
-                    raise CheckpointError(f"{self.file}: file ends inside tensor {self.key!r}")
-                done += got
+            read_into(handle, self.file, self.key, target)
 
 
 def _stored_tensors(file: Path) -> dict[str, StoredTensor]:

@@ -73,7 +73,8 @@ def read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str] | None]:
     return infos, metadata
 
 
-def _read_into(handle: BinaryIO, path: Path, name: str, target: torch.Tensor) -> None:
+def read_into(handle: BinaryIO, path: Path, name: str, target: torch.Tensor) -> None:
+    """Fill ``target`` with the bytes at the handle's position; a file that ends first names ``path`` and ``name``."""
     view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(view):
@@ -96,7 +97,7 @@ def read_tensor(path: Path, info: TensorInfo, dtype: torch.dtype | None = None,
     if tensor.dtype == source_dtype:
         with open(path, "rb", buffering=0) as handle:
             handle.seek(info.offset)
-            _read_into(handle, path, info.name, tensor)
+            read_into(handle, path, info.name, tensor)
         return tensor
     start = 0
     for block in read_rows(path, info, BLOCK_BYTES):
@@ -124,7 +125,7 @@ def read_rows(path: Path, info: TensorInfo, max_bytes: int, buffer: ReusedBuffer
         for start in range(0, rows, step):
             shape = (min(step, rows - start), *row_shape) if info.shape else ()
             block = buffer.view(shape, DTYPES[info.dtype])
-            _read_into(handle, path, info.name, block)
+            read_into(handle, path, info.name, block)
             yield block
 
 
