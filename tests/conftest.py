@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from crossalign.agents.server import (ServerStartError, free_port, local_server, postgres_bindir,  # noqa: F401
+# pytest-xdist starts its workers with COLUMNS=80, which rich takes as a fixed width when the CLI's console is
+# made; the CLI tests give their own width (CliRunner(env={"COLUMNS": ...})), as a terminal of that size would.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
+from crossalign.agents.server import (ServerStartError, free_port, local_server, postgres_bindir,  # noqa: F401,E402
                                      stop_process)
 
 

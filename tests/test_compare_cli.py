@@ -193,3 +193,13 @@ def test_an_aux_loss_printed_by_one_side_alone_is_not_called_a_different_model(t
     result = compare("--npu-log", str(npu), "--gpu-log", str(gpu), "--out", str(tmp_path / "out"))
     patterns = [d["pattern"] for d in json.loads((tmp_path / "out" / "summary.json").read_text())["diagnosis"]]
     assert "different_models" not in patterns, result.output
+
+
+def test_a_path_longer_than_the_terminal_is_printed_whole():
+    """The CLI never breaks a printed path (or run id) across lines: the terminal wraps it, copy-paste keeps it."""
+    from crossalign.cli.common import console
+
+    path = "/store/" + "a-long-folder-name/" * 8 + "06-compare/report.html"
+    with console.capture() as captured:
+        console.print(f"verdict: pass    report: {path}", highlight=False)
+    assert console.width < len(path) and path in captured.get()

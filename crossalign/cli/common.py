@@ -8,8 +8,10 @@ from typing import Iterator
 import typer
 from rich.console import Console
 
-console = Console()
-err_console = Console(stderr=True)
+# soft_wrap: a line longer than the terminal is left for the terminal to wrap, never broken by rich, so a
+# path or a run id printed in a sentence stays whole and can be copied (tables still fit the width)
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 @contextmanager
