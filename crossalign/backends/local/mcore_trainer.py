@@ -17,7 +17,7 @@ configured core version, the iteration-2 mean included.
 What was loaded is verified before the first step (SPEC item 13, the load digest): one process
 against the state it was given (:func:`verify_loaded`); in a sharded run each rank records what it
 holds in the GPU launcher's digest file (:func:`write_shard_digest`) and the printing rank holds
-every record against that rank's own file of the sharded checkpoint (:func:`verify_shards`).
+every record against that rank's own file of the sharded checkpoint (:func:`_verified_by_the_last_rank`).
 
 It all runs inside :func:`megatron_core_on_cpu` (the CPU workarounds), entered only here, in
 the step's training process.
@@ -88,7 +88,7 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
     load_converted_state(net, state, config.model, training.megatron_core_version, shard)
     if layout.world_size == 1:
         verify_loaded(net, state, request)
-    else:  # a process of a sharded run holds its shard only: held against its rank's file, see verify_shards
+    else:  # a process of a sharded run holds its shard only: held against its rank's file (_verified_by_the_last_rank)
         write_shard_digest(net, request, shard)
     # --bf16: get_model wraps the model in Float16Module (every parameter bf16, the forward in bf16) and
     # get_megatron_optimizer keeps fp32 main copies of them (Float16OptimizerWithFloat16Params)
@@ -158,52 +158,21 @@ def write_shard_digest(net, request: TrainRequest, shard) -> Path | None:
                         {names.get(key, key): digest for key, digest in local.items()}, rank=folder)
 
 
-def verify_shards(request: TrainRequest) -> int:
-    """Hold every rank's load digest (``<output>/load_digest/<rank folder>.json``) against the file of the same
-    rank folder in the sharded checkpoint ``init_checkpoint``, with the real step's comparison and wording
-    (``backends/megatron.py`` ``verify_load_digest``); the number of tensors verified.
-
-    Only the folders some rank loads are held: where the expert ranks fold onto the tensor ranks (TP 2 x EP 2,
-    ETP 1 on two processes) the converted checkpoint also has mp_rank_00_001 and mp_rank_01_000, which no
-    rank reads, as Megatron's own load reads only its rank's folder.
-    """
-    from crossalign.backends.megatron import LOAD_DIGEST_DIR
-    from crossalign.checkpoint.digest import LoadDigestError, compare_loaded, read_digest, split_stacked_experts
-    from crossalign.checkpoint.megatron import MODEL_FILE, find_iteration_dir
-
-    checkpoint = Path(request.init_checkpoint)
-    directory, _ = find_iteration_dir(checkpoint)
-    digests = sorted((request.output_dir / LOAD_DIGEST_DIR).glob("mp_rank_*.json"))
-    if not digests:
-        raise LoadDigestError(f"{request.output_dir / LOAD_DIGEST_DIR}: no rank recorded what it loaded")
-    verified = 0
-    for path in digests:
-        rank = path.stem
-        file = directory / rank / MODEL_FILE
-        if not file.exists():
-            raise LoadDigestError(f"{file}: rank {rank} loaded its shard, but the checkpoint {checkpoint} has no "
-                                  "file for it")
-        model = torch.load(file, map_location="cpu", weights_only=True)["model"]
-        state = {key: value for key, value in model.items()
-                 if isinstance(value, torch.Tensor) and not key.endswith("_extra_state")}
-        loaded = read_digest(path)
-        compare_loaded(loaded, split_stacked_experts(state, request.config.model.num_experts),
-                       what=f"Megatron rank {rank} ({path}) vs the checkpoint {checkpoint}")
-        verified += len(loaded)
-    return verified
-
-
 def _verified_by_the_last_rank(request: TrainRequest, prints: bool) -> int:
-    """Once every rank has written its load digest, the printing rank verifies them all (:func:`verify_shards`)
-    and tells every rank the outcome: on a fault each rank raises the same error before the first step (no
-    rank is left waiting in a collective for one that stopped, which would report a lost connection instead)."""
+    """Once every rank has written its load digest, the printing rank verifies them all with the real step's
+    check (``backends/megatron.py`` :func:`verify_load_digest`: each folder the layout's ranks load, against
+    that folder's file of ``init_checkpoint``) and tells every rank the outcome: on a fault each rank raises
+    the same error before the first step (no rank is left waiting in a collective for one that stopped, which
+    would report a lost connection instead)."""
+    from crossalign.backends.megatron import LOAD_DIGEST_DIR, verify_load_digest
     from crossalign.checkpoint.errors import CheckpointError
 
     torch.distributed.barrier()
     outcome: list[object] = [None]
     if prints:
         try:
-            outcome = [verify_shards(request)]
+            outcome = [verify_load_digest(request.output_dir / LOAD_DIGEST_DIR, Path(request.init_checkpoint),
+                                          request.config)]
         except CheckpointError as exc:  # LoadDigestError among them
             outcome = [exc]
     torch.distributed.broadcast_object_list(outcome, src=torch.distributed.get_world_size() - 1)
