@@ -38,8 +38,8 @@ from pathlib import Path
 step, config, source, target = sys.argv[1:5]
 from crossalign.checkpoint.cast import cast_bf16
 from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.layout import random_mindformers_state
-from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.config import load_config
 model = load_config(config).model
 start = time.perf_counter()  # after the imports (torch: 1-3 s), which "proc s" includes

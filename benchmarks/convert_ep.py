@@ -42,8 +42,8 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the crossalign commands
 from pathlib import Path
 step, config, source, target, ep = sys.argv[1:6]
 from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.layout import random_mindformers_state
-from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.config import load_config
 model = load_config(config).model
 start = time.perf_counter()  # after the imports, which "proc s" includes

@@ -31,14 +31,14 @@ start = time.perf_counter()
 from pathlib import Path
 import numpy as np
 trainer, name, workdir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-from crossalign.backends.base import DatasetFiles, TrainRequest
+from crossalign.sides.protocol import DatasetFiles, TrainRequest
 from crossalign.checkpoint.convert_core import mindformers_to_megatron
-from crossalign.checkpoint.layout import random_mindformers_state
+from crossalign.models.layout import random_mindformers_state
 from crossalign.config import load_config
 if trainer == "megatron-core":
-    from crossalign.backends.local.mcore_trainer import run_training
+    from crossalign.sides.megatron.embedded.trainer import run_training
 else:
-    from crossalign.backends.local.torch_trainer import run_training
+    from crossalign.sides.megatron.embedded.torch_trainer import run_training
 config = load_config(name)
 t = config.training
 state = mindformers_to_megatron(random_mindformers_state(config.model, seed=1), config.model)

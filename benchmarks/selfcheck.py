@@ -29,8 +29,8 @@ config = load_config(name)
 start = time.perf_counter()
 if what == "baseline":
     from crossalign.checkpoint.convert_core import mindformers_to_megatron
-    from crossalign.checkpoint.layout import random_mindformers_state
-    from crossalign.diagnose.sides import build_megatron, build_mindspore
+    from crossalign.models.layout import random_mindformers_state
+    from crossalign.diagnose.references import build_megatron, build_mindspore
     state = random_mindformers_state(config.model, seed=1234)
     ms_net = build_mindspore(config.model, state)
     del ms_net
@@ -38,7 +38,7 @@ if what == "baseline":
                    config.training.megatron_core_version)
     result = {}
 else:
-    from crossalign.selfcheck import selfcheck
+    from crossalign.diagnose.selfcheck import selfcheck
     report = selfcheck(config, seq=seq or None, batch=batch or None)
     result = {"passed": report.passed, "stages": report.seconds, "batch": list(report.batch_shape),
               "outputs": {f"{p.name}: {o.name}": o.max_rel for p in report.pairs for o in p.checks}, "failures": report.failures()}

@@ -43,8 +43,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from crossalign.checkpoint.layout import random_mindformers_state
-    from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+    from crossalign.models.layout import random_mindformers_state
+    from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
     from crossalign.config import load_config
     from crossalign.store import RunStore
 

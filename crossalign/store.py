@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from crossalign.backends.base import DatasetFiles
+from crossalign.data.files import DatasetFiles
 from crossalign.config import AlignmentConfig
 
 MANIFEST = "manifest.json"

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from crossalign.backends.base import DatasetFiles, TrainRequest
+from crossalign.data.files import DatasetFiles
+from crossalign.sides.protocol import TrainRequest
 from crossalign.config import AlignmentConfig, load_config
 
 STEP1_TOLERANCE = 0.005  # SPEC 1: step-1 relative error < 0.5% (bf16 Megatron against fp32 reference)
@@ -70,8 +71,8 @@ def prepare_inputs(config: AlignmentConfig, work: Path, seed: int = 1234) -> tup
     """Dataset, random MindFormers checkpoint, bf16 cast, Megatron conversion; returns (data, Megatron checkpoint)."""
     from crossalign.checkpoint.cast import cast_bf16
     from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.checkpoint.layout import random_mindformers_state
-    from crossalign.checkpoint.mindformers import write_mindformers_checkpoint
+    from crossalign.models.layout import random_mindformers_state
+    from crossalign.sides.mindformers.checkpoint import write_mindformers_checkpoint
     from crossalign.data.prepare import prepare_dataset
 
     model, training = config.model, config.training
@@ -92,7 +93,7 @@ def prepare_inputs(config: AlignmentConfig, work: Path, seed: int = 1234) -> tup
 
 def first_batch(config: AlignmentConfig, prefix: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global batch 1 as Megatron reads it: (input_ids, labels, loss_mask)."""
-    from crossalign.data.order import batches_for
+    from crossalign.sides.registry import batches_for
 
     tokens = torch.as_tensor(batches_for("megatron", config.training, prefix)[0], dtype=torch.long)
     return tokens[:, :-1], tokens[:, 1:], torch.ones(tokens.shape[0], tokens.shape[1] - 1)
@@ -102,7 +103,7 @@ def reference_losses(config: AlignmentConfig, checkpoint: Path, prefix: Path, de
                      delta_rule_form: str = "chunk") -> dict[str, float]:
     """Step-1 losses of our PyTorch model (fp32) from the converted Megatron checkpoint on global batch 1."""
     from crossalign.models.torch_model import GatedDeltaNet, Qwen35Model, load_megatron_state
-    from crossalign.checkpoint.megatron import read_megatron_checkpoint
+    from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
 
     net = Qwen35Model(config.model, config.training.megatron_core_version)
     load_megatron_state(net, read_megatron_checkpoint(checkpoint, config.model).state)
@@ -120,7 +121,7 @@ def reference_losses(config: AlignmentConfig, checkpoint: Path, prefix: Path, de
 
 def megatron_step1(log_path: Path, core_version: str) -> dict[str, float]:
     """Megatron's logged step-1 losses (the first line is iteration 1 alone in every core version)."""
-    from crossalign.logs.megatron import parse_megatron_log
+    from crossalign.sides.megatron.log_parser import parse_megatron_log
 
     frame = parse_megatron_log(log_path, core_version)
     row = frame[frame["step"] == 1].iloc[0]
@@ -139,7 +140,7 @@ def step1_checks(reference: dict[str, float], megatron: dict[str, float],
 
 def megatron_launch(config: AlignmentConfig, data: DatasetFiles, checkpoint: Path, work: Path, megatron: Path):
     """The real Megatron backend for this machine (this Python, one GPU) and the request of the check's run."""
-    from crossalign.backends.megatron import MegatronBackend
+    from crossalign.sides.megatron.backend import MegatronBackend
     from crossalign.site import FrameworkSite, SiteConfig
 
     site = SiteConfig(megatron=FrameworkSite(path=megatron, python=sys.executable, nproc_per_node=1))

@@ -47,7 +47,7 @@ def training_writing_pid(run_dir: Path, step: str) -> int | None:
 
 def training_processes(pid: int) -> list:
     """The process ``pid`` and every process it started (psutil.Process): a training of several ranks runs one
-    process per rank beside the step's own (crossalign/backends/local/mcore_trainer.py, ``_train_ranks``)."""
+    process per rank beside the step's own (crossalign/sides/megatron/embedded/trainer.py, ``_train_ranks``)."""
     import psutil
 
     step = psutil.Process(pid)

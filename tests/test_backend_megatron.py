@@ -11,21 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from crossalign.backends.base import DatasetFiles, TrainRequest
-from crossalign.backends.launch import BackendRunError, BackendSetupError
-from crossalign.backends.megatron import (
-    LAUNCHER,
-    MegatronBackend,
-    entry_point,
-    megatron_args,
-    parse_iteration_line,
-    verify_megatron_log,
-)
-from crossalign.backends.mindformers import mindformers_yaml
-from crossalign.backends.preflight import preflight_config
-from crossalign.checkpoint.megatron import write_megatron_checkpoint
+from crossalign.data.files import DatasetFiles
+from crossalign.sides.protocol import TrainRequest
+from crossalign.sides.launch import BackendRunError, BackendSetupError
+from crossalign.sides.megatron.backend import LAUNCHER, MegatronBackend, entry_point
+from crossalign.sides.megatron.args import megatron_args
+from crossalign.sides.megatron.log_checks import parse_iteration_line, verify_megatron_log
+from crossalign.sides.mindformers.yaml import mindformers_yaml
+from crossalign.preflight.config import preflight_config
+from crossalign.sides.megatron.checkpoint import write_megatron_checkpoint
 from crossalign.config import load_config
-from crossalign.launch_files import parse_megatron_args
+from crossalign.sides.megatron.args_reader import parse_megatron_args
 from crossalign.site import FrameworkSite, SiteConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -320,7 +316,7 @@ def test_relative_checkout_and_step_paths_are_made_absolute(tmp_path: Path, chec
 def test_dataset_helpers_that_do_not_build_are_named_before_a_run(tmp_path: Path, checkout: Path):
     """Megatron builds its dataset helpers with make at start-up and exits 1 if it cannot (initialize.py:186-195):
     the GPU probe and the run script try first, with the framework's interpreter."""
-    from crossalign.backends.megatron import dataset_helpers_problem
+    from crossalign.sides.megatron.backend import dataset_helpers_problem
 
     assert dataset_helpers_problem(checkout, sys.executable) is None  # nothing of Megatron's to build here
     datasets = checkout / "megatron" / "core" / "datasets"

@@ -12,21 +12,15 @@ import pytest
 import torch
 import yaml
 
-from crossalign.backends.base import DatasetFiles, TrainRequest
-from crossalign.backends.launch import BackendRunError, BackendSetupError
-from crossalign.backends.mindformers import (
-    MindFormersBackend,
-    expected_transformer_config,
-    mindformers_yaml,
-    parse_step_line,
-    read_transformer_config,
-    verify_built_model,
-    verify_mindformers_log,
-    verify_transformer_config,
-)
-from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.data.files import DatasetFiles
+from crossalign.sides.protocol import TrainRequest
+from crossalign.sides.launch import BackendRunError, BackendSetupError
+from crossalign.sides.mindformers.backend import MindFormersBackend
+from crossalign.sides.mindformers.log_checks import expected_transformer_config, parse_step_line, read_transformer_config, verify_built_model, verify_mindformers_log, verify_transformer_config
+from crossalign.sides.mindformers.yaml import mindformers_yaml
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.config import load_config
-from crossalign.logs.mindformers import parse_mindformers_log
+from crossalign.sides.mindformers.log_parser import parse_mindformers_log
 from crossalign.patching import apply_patch, load_patch
 from crossalign.site import MindFormersSite, SiteConfig
 

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from crossalign.checkpoint.cast import cast_bf16
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
-from crossalign.checkpoint.safetensors_io import read_header
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
+from crossalign.tensorio.safetensors_io import read_header
 from crossalign.cli import app
 
 MODEL = {

@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.convert_core import megatron_to_mindformers, mindformers_to_megatron
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.layout import megatron_shapes, mindformers_shapes, random_mindformers_state
-from crossalign.checkpoint.megatron import read_megatron_checkpoint
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.models.layout import megatron_shapes, mindformers_shapes, random_mindformers_state
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
+from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
 from crossalign.checkpoint.rules import conversion_plan
 from crossalign.cli import app
 from crossalign.config import load_config

@@ -7,10 +7,10 @@ import torch
 
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.convert_core import mindformers_to_megatron
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.layout import random_mindformers_state
-from crossalign.checkpoint.megatron import read_megatron_checkpoint, rank_dir_name
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint, rank_dir_name
+from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
 from crossalign.config import load_config
 
 MOE = load_config("qwen35_moe_tiny").model  # 4 experts, 4 layers (3 GDN + 1 attention), MTP

@@ -7,11 +7,11 @@ import torch
 
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.convert_core import mindformers_to_megatron
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS
-from crossalign.checkpoint.layout import megatron_shapes, random_mindformers_state
-from crossalign.checkpoint.megatron import read_megatron_checkpoint
-from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.models.layout import megatron_shapes, random_mindformers_state
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.config import load_config
 
 DENSE = load_config("qwen35_dense_tiny").model

@@ -11,19 +11,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from crossalign.checkpoint.blocks import BlockCaster, ReusedBuffer, one_thread
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.megatron import (
+from crossalign.tensorio.blocks import BlockCaster, ReusedBuffer, one_thread
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.sides.megatron.checkpoint import (
     read_megatron_checkpoint,
     stream_megatron_checkpoint,
     write_megatron_checkpoint,
 )
-from crossalign.checkpoint.mindformers import (
+from crossalign.sides.mindformers.checkpoint import (
     default_common,
     read_mindformers_checkpoint,
     write_mindformers_checkpoint,
 )
-from crossalign.checkpoint.safetensors_io import (
+from crossalign.tensorio.safetensors_io import (
     SafetensorsWriter,
     TensorInfo,
     read_header,
@@ -31,7 +31,7 @@ from crossalign.checkpoint.safetensors_io import (
     read_tensor,
     write_safetensors,
 )
-from crossalign.checkpoint.torch_file import TensorSpec, TorchFileWriter
+from crossalign.tensorio.torch_file import TensorSpec, TorchFileWriter
 
 TENSORS = {
     "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
@@ -54,7 +54,7 @@ def test_streamed_safetensors_load_with_the_reference_library(tmp_path):
 
 
 def test_tensors_are_read_and_converted_in_row_blocks(tmp_path, monkeypatch):
-    monkeypatch.setattr("crossalign.checkpoint.safetensors_io.BLOCK_BYTES", 24)  # 3 rows of 8 bytes per block
+    monkeypatch.setattr("crossalign.tensorio.safetensors_io.BLOCK_BYTES", 24)  # 3 rows of 8 bytes per block
     tensors = {"rows": torch.randn(10, 4).bfloat16(), "scalar": torch.tensor(2.5).bfloat16(), "ints": torch.arange(7)}
     path = tmp_path / "x.safetensors"
     save_file(tensors, path)
@@ -322,8 +322,8 @@ def test_megatron_checkpoint_is_written_in_near_constant_memory(tmp_path):
     """24 bf16 tensors of 2 MiB stored as fp32 (a 96 MiB file): memory grows by a few tensors, not by the file."""
     script = (  # resets the peak after the imports (clear_refs 5), then reads the peak of the save alone
         "import sys, torch\n"
-        "from crossalign.checkpoint.megatron import stream_megatron_checkpoint\n"
-        "from crossalign.checkpoint.torch_file import TensorSpec\n"
+        "from crossalign.sides.megatron.checkpoint import stream_megatron_checkpoint\n"
+        "from crossalign.tensorio.torch_file import TensorSpec\n"
         "def kib(field): return int(open('/proc/self/status').read().split(field + ':')[1].split()[0])\n"
         "specs = {f't{i}': TensorSpec((2**20,), torch.float32) for i in range(24)}\n"
         "tensors = ((f't{i}', torch.full((2**20,), float(i), dtype=torch.bfloat16)) for i in range(24))\n"

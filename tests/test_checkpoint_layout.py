@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.layout import (
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.models.layout import (
     megatron_shapes,
     mindformers_buffers,
     mindformers_shapes,

@@ -33,11 +33,11 @@ from mindspore.parallel import Layout  # noqa: E402
 from crossalign.checkpoint.cast import cast_bf16  # noqa: E402
 from crossalign.checkpoint.convert import convert_checkpoint  # noqa: E402
 from crossalign.checkpoint.convert_core import mindformers_to_megatron  # noqa: E402
-from crossalign.checkpoint.errors import CheckpointError  # noqa: E402
-from crossalign.checkpoint.layout import random_mindformers_state  # noqa: E402
-from crossalign.checkpoint.megatron import read_megatron_checkpoint  # noqa: E402
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint  # noqa: E402
-from crossalign.checkpoint.safetensors_io import read_header  # noqa: E402
+from crossalign.tensorio.errors import CheckpointError  # noqa: E402
+from crossalign.models.layout import random_mindformers_state  # noqa: E402
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint  # noqa: E402
+from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint  # noqa: E402
+from crossalign.tensorio.safetensors_io import read_header  # noqa: E402
 from crossalign.cli import app  # noqa: E402
 from crossalign.config import load_config  # noqa: E402
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from crossalign.logs import LogFormatError
+from crossalign.sides.log_common import LogFormatError
 from crossalign.logs.synthetic import megatron_lines, mindformers_lines, write_log
 from crossalign.report.compare import CompareOptions, compare_logs
 

@@ -13,11 +13,16 @@ from typer.testing import CliRunner
 
 from crossalign.config import load_config
 from crossalign.data.corpus import corpus_documents
-from crossalign.data.order import batches_for, global_batches
+from crossalign.data.order import global_batches
+from crossalign.sides.registry import batches_for
 from crossalign.data.prepare import MANIFEST_NAME, prepare_dataset, read_manifest
-from crossalign.data.preflight import compare_sample_order
+from crossalign.preflight.data import compare_sample_order
 from crossalign.data.settings import SampleOrderError, SampleOrderSettings
 from crossalign.data.tokenizer import EOD_TOKEN, load_tokenizer, train_tokenizer
+from crossalign.sides.megatron.args import sample_order as megatron_sample_order
+from crossalign.sides.mindformers.yaml import sample_order as mindformers_sample_order
+from crossalign.sides.megatron.args_reader import sample_order_from_args
+from crossalign.sides.mindformers.yaml_reader import sample_order_from_yaml
 
 VOCAB = 2048
 
@@ -128,7 +133,7 @@ def test_megatron_side_is_gptdataset_item_by_item(dataset, tiny, tmp_path):
     training = tiny.training
     batches = batches_for("megatron", training, dataset.prefix)
     assert len(batches) == training.train_iters
-    reference = _gpt_dataset(dataset.prefix, SampleOrderSettings.for_megatron(training), tmp_path)
+    reference = _gpt_dataset(dataset.prefix, megatron_sample_order(training), tmp_path)
     gbs = training.global_batch_size
     for step in range(len(batches)):
         batch = batches[step]
@@ -152,8 +157,8 @@ def test_both_sides_identical_with_the_shared_config(dataset, tiny):
     cache = dataset.prefix.parent / "cache"
     assert len(list(cache.glob("*-GPTDataset-train-shuffle_index.npy"))) >= 2
     assert not [p for p in dataset.prefix.parent.iterdir() if p.name.startswith(".staging-")]
-    report = compare_sample_order(SampleOrderSettings.for_megatron(training),
-                                  SampleOrderSettings.for_mindformers(training), dataset.prefix,
+    report = compare_sample_order(megatron_sample_order(training),
+                                  mindformers_sample_order(training), dataset.prefix,
                                   training.global_batch_size, 5)
     assert report.identical and report.first_differing_step is None and report.differences == []
 
@@ -161,7 +166,7 @@ def test_both_sides_identical_with_the_shared_config(dataset, tiny):
 def test_cyclic_loader_permutes_by_epoch_not_by_seed(dataset, tiny):
     import torch
 
-    settings = SampleOrderSettings.for_megatron(tiny.training).with_setting("dataloader_type", "cyclic")
+    settings = megatron_sample_order(tiny.training).with_setting("dataloader_type", "cyclic")
     cyclic = global_batches(settings, dataset.prefix, 4)
     reseeded = global_batches(settings.with_setting("seed", 7), dataset.prefix, 4)
     bucket = (cyclic.dataset_length // settings.micro_batch_size) * settings.micro_batch_size
@@ -191,8 +196,8 @@ def _weighted_blend_boundary(dataset, seq_length: int, gbs: int) -> int:
 ])
 def test_each_pitfall_is_detected_and_named(dataset, tiny, name, megatron_value, mindformers_value):
     training = tiny.training
-    megatron = SampleOrderSettings.for_megatron(training)
-    mindformers = SampleOrderSettings.for_mindformers(training)
+    megatron = megatron_sample_order(training)
+    mindformers = mindformers_sample_order(training)
     if name == "blend":
         n = _weighted_blend_boundary(dataset, training.seq_length, training.global_batch_size)
         megatron, mindformers = megatron.with_setting("num_samples", n), mindformers.with_setting("num_samples", n)
@@ -207,8 +212,8 @@ def test_each_pitfall_is_detected_and_named(dataset, tiny, name, megatron_value,
 
 def test_a_harmless_difference_is_reported_as_such(dataset, tiny):
     training = tiny.training
-    report = compare_sample_order(SampleOrderSettings.for_megatron(training).with_setting("blend", "weighted"),
-                                  SampleOrderSettings.for_mindformers(training), dataset.prefix,
+    report = compare_sample_order(megatron_sample_order(training).with_setting("blend", "weighted"),
+                                  mindformers_sample_order(training), dataset.prefix,
                                   training.global_batch_size, 3)
     assert report.identical  # 200 vs ceil(200 * 1.005) samples: still one epoch
     assert [d.name for d in report.differences] == ["blend"] and not report.differences[0].changes_order
@@ -222,21 +227,21 @@ def test_a_harmless_difference_is_reported_as_such(dataset, tiny):
 def test_settings_from_megatron_arguments_use_megatron_defaults():
     args = ["--data-path", "1", "/d/corpus_text_document", "--seq-length", "128", "--train-iters", "70",
             "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "3e-4"]
-    settings = SampleOrderSettings.from_megatron_args(args)
+    settings = sample_order_from_args(args)
     assert (settings.seed, settings.split, settings.blend, settings.dataloader_type) == \
         (1234, "969, 30, 1", "weighted", "single")
     assert settings.num_samples == 280 and settings.micro_batch_size == 2
-    explicit = SampleOrderSettings.from_megatron_args(
+    explicit = sample_order_from_args(
         ["--data-path", "/d/p", "--split", "1,0,0", "--seed", "42", "--seq-length", "128",
          "--train-samples", "96", "--dataloader-type", "cyclic"])
     assert (explicit.seed, explicit.blend, explicit.num_samples, explicit.dataloader_type) == \
         (42, "bare", 96, "cyclic")
     with pytest.raises(SampleOrderError, match="--data-path"):
-        SampleOrderSettings.from_megatron_args(["--seq-length", "128", "--train-iters", "1"])
+        sample_order_from_args(["--seq-length", "128", "--train-iters", "1"])
     # read by the one Megatron argument reader (launch_files): a bad value is named, not an argparse exit
     with pytest.raises(SampleOrderError, match="--seq-length '2k' is not an integer"):
-        SampleOrderSettings.from_megatron_args(["--data-path", "/d/p", "--seq-length", "2k", "--train-samples", "8"])
-    assert SampleOrderSettings.from_megatron_args(["--data-path=/d/p", "--seq-length=128",
+        sample_order_from_args(["--data-path", "/d/p", "--seq-length", "2k", "--train-samples", "8"])
+    assert sample_order_from_args(["--data-path=/d/p", "--seq-length=128",
                                                    "--train-samples=8"]).num_samples == 8
 
 
@@ -245,14 +250,14 @@ def test_settings_from_mindformers_yaml_use_mindformers_defaults(tiny):
         "type": "BlendedMegatronDatasetDataLoader", "datasets_type": "GPTDataset", "sizes": [200, 0, 0],
         "shuffle": False,
         "config": {"split": "1, 0, 0", "seq_length": 128, "data_path": ["1", "/d/corpus_text_document"]}}}}
-    settings = SampleOrderSettings.from_mindformers_yaml(document)
+    settings = sample_order_from_yaml(document)
     # the top-level training seed is the model's; the dataset seed defaults to 1234
     assert (settings.seed, settings.blend, settings.num_samples) == (1234, "weighted", 200)
-    bare = SampleOrderSettings.for_megatron(tiny.training).with_setting("blend", "weighted")
+    bare = megatron_sample_order(tiny.training).with_setting("blend", "weighted")
     assert bare.differences(settings) == []  # "1, 0, 0" and "1,0,0" are the same split
     document["train_dataset"]["dataloader"]["shuffle"] = True
     with pytest.raises(SampleOrderError, match="train_dataset.dataloader.shuffle"):
-        SampleOrderSettings.from_mindformers_yaml(document)
+        sample_order_from_yaml(document)
 
 
 # ---- CLI --------------------------------------------------------------------------------------
@@ -285,8 +290,8 @@ def test_cli_prepare_and_preflight(dataset):
 def test_cli_preflight_data_reads_real_launch_files(dataset, tmp_path):
     """--megatron-args takes a run script's command line (continuations, comments) and --mindformers-yaml a
     generated YAML, read the same way as `preflight config`; a missing file is named."""
-    from crossalign.backends.megatron import megatron_args
-    from crossalign.backends.mindformers import dump_yaml, mindformers_yaml
+    from crossalign.sides.megatron.args import megatron_args
+    from crossalign.sides.mindformers.yaml import dump_yaml, mindformers_yaml
     from crossalign.cli import app
 
     config = load_config("qwen35_dense_tiny")

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.convert_core import mindformers_to_megatron
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS, LAYOUT_FAULTS, inject_fault
-from crossalign.checkpoint.layout import random_mindformers_state
-from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.checkpoint.rules import conversion_plan
 from crossalign.cli import app
 from crossalign.config import load_config
@@ -26,7 +26,7 @@ from crossalign.diagnose.dump import DumpError, read_dump, tensor_stats
 from crossalign.diagnose.hooks import install_mindspore_dump_hooks, install_torch_dump_hooks
 from crossalign.diagnose.mapping import MappingError, module_mapping, module_mapping_from_rules
 from crossalign.diagnose.run import compare_dump_folders, diagnose, dump_megatron, dump_mindspore
-from crossalign.diagnose.sides import SideError, random_batch
+from crossalign.diagnose.references import SideError, random_batch
 
 SEQ, BATCH = 32, 1
 
@@ -345,7 +345,7 @@ def test_cli_diagnose_converts_into_a_layout_and_names_the_layout_fault(tmp_path
 
 
 def test_a_converted_checkpoint_must_hold_the_layout_asked_for(tmp_path):
-    from crossalign.selfcheck import make_checkpoints
+    from crossalign.diagnose.selfcheck import make_checkpoints
 
     config = load_config("qwen35_moe_tiny")
     ms_ckpt, mg_ckpt = make_checkpoints(config, tmp_path, None, None, seed=3, layout=(1, 1, 2))

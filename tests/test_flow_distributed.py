@@ -307,7 +307,7 @@ def test_fail_fast_through_the_deployments(stack, prefect_client_settings):
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from crossalign.tasks.stop import read_stop
+    from crossalign.stop import read_stop
 
     overrides = [*LIVE_TINY, "training.train_iters=200"]
     run = _faulty_run({"store": stack["store"], "env": stack["env"]}, "fault-dist", overrides)

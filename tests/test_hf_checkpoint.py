@@ -8,12 +8,12 @@ import torch
 from hf_tiny import make_hf_checkpoint
 
 from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.hf import read_hf_checkpoint
 from crossalign.checkpoint.hf_rules import GatedQKV, hf_plan, hf_shapes
-from crossalign.checkpoint.layout import megatron_shapes, random_mindformers_state
-from crossalign.checkpoint.megatron import read_megatron_checkpoint
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.models.layout import megatron_shapes, random_mindformers_state
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
+from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
 from crossalign.config import ConfigError, load_config
 from crossalign.hf_config import hf_config_from_model, model_config_from_hf, read_config_json
 

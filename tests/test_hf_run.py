@@ -15,7 +15,7 @@ import yaml
 from hf_tiny import make_hf_checkpoint
 
 from crossalign.checkpoint.hf import read_hf_checkpoint
-from crossalign.checkpoint.mindformers import read_mindformers_checkpoint
+from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
 from crossalign.config import load_config
 from crossalign.flows.launch import deployment_name
 from crossalign.store import RunStore, StoreError

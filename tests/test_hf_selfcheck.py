@@ -7,8 +7,8 @@ from hf_tiny import make_hf_checkpoint
 from typer.testing import CliRunner
 
 from crossalign.cli import app
-from crossalign.diagnose.sides import SideError
-from crossalign.selfcheck import IMPLEMENTATIONS, selfcheck
+from crossalign.diagnose.references import SideError
+from crossalign.diagnose.selfcheck import IMPLEMENTATIONS, selfcheck
 
 SEQ, BATCH = 32, 2
 
@@ -42,8 +42,8 @@ def test_hf_source_excludes_the_other_sources_and_the_cli_runs_it(tmp_path):
 def test_where_transformers_and_pytorch_part_is_named(tmp_path):
     """A shared-expert fc1 left interleaved by the Megatron conversion: the first module to differ is layer 0's MLP."""
     from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.checkpoint.layout import random_mindformers_state
-    from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+    from crossalign.models.layout import random_mindformers_state
+    from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
     from crossalign.config import load_config
 
     model = load_config("qwen35_moe_tiny").model

@@ -170,7 +170,7 @@ def _artifacts(prefect_server, flow_run_id) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_a_conversion_fault_stops_a_200_step_run_within_its_first_steps(embedded, prefect_server):
-    from crossalign.tasks.stop import kept_log_path, read_stop
+    from crossalign.stop import kept_log_path, read_stop
 
     overrides = [*TINY, "training.train_iters=200"]
     run = _faulty_run(embedded, "fault", overrides)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from crossalign.backends.megatron import verify_load_digest
-from crossalign.checkpoint.digest import (LoadDigestError, compare_loaded, numpy_sha256, torch_digests,
+from crossalign.sides.megatron.load_digest import verify_load_digest
+from crossalign.tensorio.digest import (LoadDigestError, compare_loaded, numpy_sha256, torch_digests,
                                           torch_sha256)
-from crossalign.checkpoint.layout import megatron_shapes, random_mindformers_state
-from crossalign.checkpoint.megatron import write_megatron_checkpoint
-from crossalign.checkpoint.te_local import te_to_local
+from crossalign.models.layout import megatron_shapes, random_mindformers_state
+from crossalign.sides.megatron.checkpoint import write_megatron_checkpoint
+from crossalign.sides.megatron.te_local import te_to_local
 from crossalign.config import load_config
 
 RENAMED = ("decoder.layers.1.mlp.experts.linear_fc1.weight2", "decoder.layers.1.mlp.experts.linear_fc1.weight_2")
@@ -74,7 +74,7 @@ def test_numpy_and_torch_hash_the_same_bytes():
 def test_the_launchers_digest_is_verified_against_the_checkpoint_under_the_te_names(tmp_path: Path):
     """The launcher hashes with its own copy of the function (it imports nothing from crossalign): both agree,
     and a CPU model's local names are mapped back to the checkpoint's TE names."""
-    from crossalign.backends.local.mcore_model import layer_specs_module
+    from crossalign.sides.megatron.embedded.mcore_model import layer_specs_module
 
     launcher = layer_specs_module()
     config = load_config("qwen35_moe_tiny")
@@ -96,7 +96,7 @@ def test_the_launchers_digest_is_verified_against_the_checkpoint_under_the_te_na
 
 
 def test_the_mindspore_side_names_what_it_did_not_load():
-    from crossalign.backends.local.ms_trainer import _verify_loaded
+    from crossalign.sides.mindformers.embedded.trainer import _verify_loaded
 
     config = load_config("qwen35_moe_tiny")
     state = random_mindformers_state(config.model, seed=0)
@@ -111,10 +111,11 @@ def test_the_mindspore_side_names_what_it_did_not_load():
 
 @pytest.mark.timeout(300)
 def test_the_embedded_megatron_core_side_names_both_and_verifies_a_clean_load(tmp_path: Path):
-    from crossalign.backends.local.mcore_cpu import megatron_core_on_cpu
-    from crossalign.backends.local.mcore_model import McoreLoadError, build_gpt_model, load_converted_state
-    from crossalign.backends.local.mcore_trainer import verify_loaded
-    from crossalign.backends.base import DatasetFiles, TrainRequest
+    from crossalign.sides.megatron.embedded.mcore_cpu import megatron_core_on_cpu
+    from crossalign.sides.megatron.embedded.mcore_model import McoreLoadError, build_gpt_model, load_converted_state
+    from crossalign.sides.megatron.embedded.trainer import verify_loaded
+    from crossalign.data.files import DatasetFiles
+    from crossalign.sides.protocol import TrainRequest
 
     config = load_config("qwen35_moe_tiny")
     state = random_megatron_state(config)
@@ -150,7 +151,7 @@ def test_the_folders_each_layout_loads_are_the_ones_megatron_cores_ranks_name(tp
     own RankGenerator places them (core_v0.16.1 megatron/core/parallel_state.py:775-805, default order)."""
     from megatron.core.parallel_state import RankGenerator
 
-    from crossalign.checkpoint.megatron import loaded_rank_folders, rank_dir_name
+    from crossalign.sides.megatron.checkpoint import loaded_rank_folders, rank_dir_name
 
     order = "tp-cp-ep-dp-pp"
     dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order=order)
@@ -164,8 +165,8 @@ def test_a_folded_expert_layout_is_verified_on_the_folders_its_ranks_load(tmp_pa
     """TP 2 x EP 2 with ETP 1 on two GPUs: the conversion writes four rank folders, the two ranks load two
     (mp_rank_00_000, mp_rank_01_001). Their digests suffice; a missing one of them is named."""
     from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.checkpoint.digest import split_stacked_experts, write_digest
-    from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+    from crossalign.tensorio.digest import split_stacked_experts, write_digest
+    from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 
     config = load_config("qwen35_moe_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.expert=2",
                                              "parallel.megatron.expert_tensor=1",
@@ -191,8 +192,8 @@ def test_a_folded_expert_layout_is_verified_on_the_folders_its_ranks_load(tmp_pa
 
 def _launcher_writes_its_digest(rank: int, world: int, folder: str, sizes: dict) -> None:
     """One rank of a gloo group at ``sizes``: the launcher's write_load_digest after a (stand-in) load."""
-    from crossalign.backends.local.mcore_cpu import ProcessGroup, megatron_core_on_cpu
-    from crossalign.backends.local.mcore_model import layer_specs_module
+    from crossalign.sides.megatron.embedded.mcore_cpu import ProcessGroup, megatron_core_on_cpu
+    from crossalign.sides.megatron.embedded.mcore_model import layer_specs_module
 
     launcher = layer_specs_module()
     with megatron_core_on_cpu(1, ProcessGroup(rank, world, f"file://{folder}/rendezvous", **sizes)):
@@ -204,7 +205,7 @@ def test_the_launcher_names_each_digest_after_the_folder_its_ranks_load(tmp_path
     loads, with its expert rank (mp_rank_00_000, mp_rank_01_001), as the step's verification asks for them."""
     import torch.multiprocessing as mp
 
-    from crossalign.checkpoint.megatron import loaded_rank_folders
+    from crossalign.sides.megatron.checkpoint import loaded_rank_folders
 
     sizes = {"tensor": 2, "expert": 2, "expert_tensor": 1}
     mp.spawn(_launcher_writes_its_digest, nprocs=2, join=True, args=(2, str(tmp_path), sizes))

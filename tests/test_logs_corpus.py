@@ -70,7 +70,7 @@ def test_malformed_global_norm_is_named_not_guessed():
 
 
 def test_many_unreadable_step_lines_fail_naming_the_first(tmp_path):
-    from crossalign.logs import LogFormatError
+    from crossalign.sides.log_common import LogFormatError
 
     lines = (CORPUS / "megatron_garbled_line.log").read_text().splitlines()
     garbled = [line[:150] + " NCCL INFO ring" if i else line for i, line in enumerate(lines)]

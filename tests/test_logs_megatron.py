@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crossalign.logs import LogFormatError, parse_log, parse_megatron_log
-from crossalign.logs.formats import megatron_line
+from crossalign.sides.log_common import LogFormatError
+from crossalign.logs import parse_log
+from crossalign.sides.megatron.log_parser import parse_megatron_log
+from crossalign.sides.megatron.log_lines import megatron_line
 from crossalign.logs.synthetic import megatron_lines, write_log
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"

@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crossalign.logs import LogFormatError, detect_format, parse_log, parse_mindformers_log
-from crossalign.logs.formats import MINDFORMERS_PYNATIVE_SOURCE, mindformers_prefix, pynative_line
+from crossalign.sides.log_common import LogFormatError
+from crossalign.logs import detect_format, parse_log
+from crossalign.sides.mindformers.log_parser import parse_mindformers_log
+from crossalign.sides.mindformers.log_lines import MINDFORMERS_PYNATIVE_SOURCE, mindformers_prefix, pynative_line
 from crossalign.logs.synthetic import mindformers_lines, write_log
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"

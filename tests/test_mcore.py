@@ -12,20 +12,22 @@ import numpy as np
 import pytest
 import torch
 
-from crossalign.backends.base import DatasetFiles, TrainRequest
-from crossalign.backends.local import mcore_cpu, mcore_trainer, torch_trainer
-from crossalign.backends.local.mcore_model import (LAUNCHER, McoreLoadError, build_gpt_model, run_selfcheck_forward,
+from crossalign.data.files import DatasetFiles
+from crossalign.sides.protocol import TrainRequest
+from crossalign.sides.megatron.embedded import mcore_cpu, torch_trainer
+from crossalign.sides.megatron.embedded import trainer as mcore_trainer
+from crossalign.sides.megatron.embedded.mcore_model import (LAUNCHER, McoreLoadError, build_gpt_model, run_selfcheck_forward,
                                                    transformer_config)
 from crossalign.checkpoint.convert_core import mindformers_to_megatron
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS, inject_fault
-from crossalign.checkpoint.layout import random_mindformers_state
-from crossalign.checkpoint.megatron import read_megatron_checkpoint
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
 from crossalign.checkpoint.rules import conversion_plan
-from crossalign.checkpoint.te_local import local_to_te, te_to_local, te_to_local_names
+from crossalign.sides.megatron.te_local import local_to_te, te_to_local, te_to_local_names
 from crossalign.config import load_config
-from crossalign.diagnose.sides import build_megatron, random_batch, run_megatron
-from crossalign.selfcheck import compare_outputs
+from crossalign.diagnose.references import build_megatron, random_batch, run_megatron
+from crossalign.diagnose.selfcheck import compare_outputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,7 +54,7 @@ def converted():
 
 
 def mcore_outputs(config, mg_state, batch):
-    from crossalign.diagnose.sides import Outputs
+    from crossalign.diagnose.references import Outputs
 
     out = run_selfcheck_forward(config.model, config.training, mg_state, config.training.megatron_core_version,
                                 batch.input_ids, batch.labels, batch.loss_mask)
@@ -301,9 +303,9 @@ def write_indexed_dataset(prefix: Path, vocab: int, documents: int = 40, seed: i
 def test_backend_trains_from_a_bf16_megatron_checkpoint_on_the_megatron_sample_order(tmp_path):
     from test_torch_trainer import config_with, initial_state, iteration_lines
 
-    from crossalign.backends.local.mcore_trainer import LocalMegatronBackend
-    from crossalign.checkpoint.megatron import write_megatron_checkpoint
-    from crossalign.data.order import batches_for
+    from crossalign.sides.megatron.embedded.trainer import LocalMegatronBackend
+    from crossalign.sides.megatron.checkpoint import write_megatron_checkpoint
+    from crossalign.sides.registry import batches_for
 
     config = config_with("qwen35_dense_tiny", train_iters=2, lr_warmup_iters=1)
     prefix = tmp_path / "data" / "corpus_text_document"
@@ -339,7 +341,7 @@ def test_backend_trains_from_a_bf16_megatron_checkpoint_on_the_megatron_sample_o
 
 
 def test_backend_runs_the_alignment_step_only(tmp_path):
-    from crossalign.backends.local.mcore_trainer import LocalMegatronBackend
+    from crossalign.sides.megatron.embedded.trainer import LocalMegatronBackend
 
     config = load_config("qwen35_dense_tiny")
     request = TrainRequest(config=config, side="megatron", mode="base",
@@ -362,7 +364,7 @@ def test_the_orchestrating_process_never_loads_megatron_core():
     code = ("import sys; from crossalign.site import SiteConfig; "
             "from crossalign.tasks.backends import training_backend; "
             "backend = training_backend('gpu', SiteConfig()); "
-            "print(backend.name, 'megatron.core' in sys.modules, 'crossalign.backends.local.mcore_cpu' in sys.modules)")
+            "print(backend.name, 'megatron.core' in sys.modules, 'crossalign.sides.megatron.embedded.mcore_cpu' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["local-megatron", "False", "False"], done.stderr
 

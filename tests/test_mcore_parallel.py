@@ -16,13 +16,14 @@ import pytest
 import torch
 import yaml
 
-from crossalign.backends.base import DatasetFiles, TrainRequest
+from crossalign.data.files import DatasetFiles
+from crossalign.sides.protocol import TrainRequest
 from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.layout import random_mindformers_state
-from crossalign.checkpoint.megatron import read_megatron_checkpoint
-from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.config import ConfigError, MegatronParallel, load_config
-from crossalign.logs.megatron import parse_megatron_log
+from crossalign.sides.megatron.log_parser import parse_megatron_log
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -56,7 +57,7 @@ def print_unit(value: float) -> float:
 @pytest.fixture(scope="module")
 def sides(tmp_path_factory):
     """name -> (base config, MindFormers checkpoint, batches, MindSpore lm losses), each made once."""
-    from crossalign.backends.local.ms_trainer import train_on_batches
+    from crossalign.sides.mindformers.embedded.trainer import train_on_batches
 
     cache = {}
 
@@ -85,7 +86,7 @@ def train_megatron(name: str, sides, label: str, layout: list[str], refused: str
 
     A layout the config refuses (``refused``: the refusal's text) is checked to be refused, then trained
     anyway, to show what the refusal prevents."""
-    from crossalign.backends.local.mcore_trainer import run_training
+    from crossalign.sides.megatron.embedded.trainer import run_training
 
     base, root, batches, _ = sides(name)
     settings = [f"parallel.megatron.{setting}" for setting in layout]
@@ -153,7 +154,7 @@ def test_tensor_parallel_without_sequence_parallel_lets_gdn_out_norm_replicas_dr
     only (megatron/core/distributed/finalize_model_grads.py:354-356): GatedDeltaNet's out_norm, replicated but fed
     by each rank's own heads, then trains apart on each rank. The embedded side reproduces it, and reading the
     saved checkpoint back names the tensor; the config refuses the layout."""
-    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.tensorio.errors import CheckpointError
 
     config, result, _ = train_megatron("qwen35_dense_tiny", sides, "TP 2 no SP", ["tensor=2", "cards_per_node=2"],
                                        refused="sequence_parallel: required with tensor 2 on a model with GatedDeltaNet")
@@ -169,7 +170,7 @@ def test_tensor_parallel_without_sequence_parallel_lets_gdn_out_norm_replicas_dr
 ])
 def test_a_fault_of_the_layout_fails_the_selfcheck_in_that_layout_naming_where(name, fault, layout, shows):
     """Faults a single-rank checkpoint cannot have: the converted ranks do not assemble into the source model."""
-    from crossalign.selfcheck import selfcheck
+    from crossalign.diagnose.selfcheck import selfcheck
 
     config = load_config(name)
     assert selfcheck(config, seq=16, batch=2, layout=layout).passed
@@ -179,7 +180,7 @@ def test_a_fault_of_the_layout_fails_the_selfcheck_in_that_layout_naming_where(n
 
 
 def test_the_self_test_names_a_class_workaround_whose_upstream_moved():
-    from crossalign.backends.local import mcore_cpu
+    from crossalign.sides.megatron.embedded import mcore_cpu
 
     moved = mcore_cpu.Workaround("megatron.core.transformer.moe.token_dispatcher", "cuda_dtoh_stream", "a reason",
                                  lambda: None, "torch.cuda.Stream(priority=1)", owner="MoEAlltoAllTokenDispatcher")
@@ -192,8 +193,8 @@ def test_sequence_parallel_norms_are_marked_for_the_tensor_rank_reduction():
     """As TE's norms are: finalize_model_grads sums the grads of weights marked sequence_parallel."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from crossalign.backends.local.mcore_cpu import megatron_core_on_cpu
-    from crossalign.backends.local.mcore_model import transformer_config
+    from crossalign.sides.megatron.embedded.mcore_cpu import megatron_core_on_cpu
+    from crossalign.sides.megatron.embedded.mcore_model import transformer_config
 
     config = load_config("qwen35_dense_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.cards_per_node=2",
                                                "parallel.megatron.sequence_parallel=true"])
@@ -204,7 +205,7 @@ def test_sequence_parallel_norms_are_marked_for_the_tensor_rank_reduction():
 
 
 def test_each_data_parallel_rank_takes_its_micro_batches_as_megatrons_sampler_deals_them():
-    from crossalign.backends.local.mcore_trainer import data_parallel_share
+    from crossalign.sides.megatron.embedded.trainer import data_parallel_share
 
     tokens = torch.arange(8).view(8, 1)
     assert [t.view(-1).tolist() for t in data_parallel_share(tokens, 2, 2, 1)] == [[2, 3], [6, 7]]
@@ -217,8 +218,9 @@ def test_a_rank_that_loaded_other_tensors_than_its_file_holds_fails_naming_the_t
     checkpoint's mp_rank_00_001 lacks one routed expert: that rank's record names it."""
     import shutil
 
-    from crossalign.backends.local.mcore_trainer import TrainingError, run_training
-    from crossalign.checkpoint.megatron import MODEL_FILE
+    from crossalign.sides.megatron.embedded.torch_trainer import TrainingError
+    from crossalign.sides.megatron.embedded.trainer import run_training
+    from crossalign.sides.megatron.checkpoint import MODEL_FILE
 
     config = load_config("qwen35_moe_tiny", [f"training.train_iters=2", *SHORT[1:], "parallel.megatron.expert=2",
                                              "parallel.megatron.cards_per_node=2"])

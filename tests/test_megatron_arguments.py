@@ -20,7 +20,8 @@ import textwrap
 
 import pytest
 
-from crossalign.backends.megatron import DETERMINISTIC_ENV, megatron_args
+from crossalign.sides.megatron.backend import DETERMINISTIC_ENV
+from crossalign.sides.megatron.args import megatron_args
 from crossalign.config import load_config
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")

@@ -25,11 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from crossalign.backends.launch import BackendRunError
-from crossalign.backends.mindformers import MindFormersBackend, verify_load_digest
-from crossalign.checkpoint.digest import LoadDigestError
-from crossalign.checkpoint.layout import mindformers_buffers
-from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.sides.launch import BackendRunError
+from crossalign.sides.mindformers.backend import MindFormersBackend
+from crossalign.sides.mindformers.load_digest import verify_load_digest
+from crossalign.tensorio.digest import LoadDigestError
+from crossalign.models.layout import mindformers_buffers
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.config import load_config
 from crossalign.patching import apply_patch, check_patch, load_patch
 from mindformers_upstream import STUB, TIMEOUT_S, unpacked

@@ -2,7 +2,7 @@
 
 mg2ms ``--tp N`` writes the MindFormers checkpoint as N ranks save it: one
 ``<prefix>-model-<rank>-<N>.safetensors`` each and ``metadata.json``
-(``crossalign/checkpoint/mindformers.py``: ``sharded_metadata``, storage slices by
+(``crossalign/sides/mindformers/checkpoint.py``: ``sharded_metadata``, storage slices by
 ``mindformers_split_dim``). Two things are held against MindFormers' code, run in a subprocess
 (tests/mindformers_upstream.py, tests/mindformers_driver.py):
 
@@ -47,11 +47,11 @@ from safetensors.torch import load_file
 
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.convert_core import mindformers_to_megatron
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.layout import mindformers_buffers, mindformers_shapes
-from crossalign.checkpoint.mindformers import DEFAULT_PREFIX, METADATA, default_common, read_mindformers_checkpoint, \
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.models.layout import mindformers_buffers, mindformers_shapes
+from crossalign.sides.mindformers.checkpoint import DEFAULT_PREFIX, METADATA, default_common, read_mindformers_checkpoint, \
     write_mindformers_checkpoint
-from crossalign.checkpoint.reshard import mindformers_split_dim, shard_tensor
+from crossalign.sides.megatron.sharding import mindformers_split_dim, shard_tensor
 from crossalign.checkpoint.rules import Fuse, TransposeExperts, conversion_plan
 from crossalign.config import ModelConfig, load_config
 from mindformers_upstream import RELEASES, run_driver

@@ -17,15 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crossalign.backends.launch import BackendRunError, BackendSetupError
-from crossalign.backends.mindformers import mindformers_yaml, dump_yaml, verify_built_model, verify_mindformers_log, \
-    verify_transformer_config
-from crossalign.checkpoint.layout import mindformers_buffers, mindformers_shapes
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
-from crossalign.checkpoint.safetensors_io import read_header
+from crossalign.sides.launch import BackendRunError, BackendSetupError
+from crossalign.sides.mindformers.yaml import mindformers_yaml, dump_yaml
+from crossalign.sides.mindformers.log_checks import verify_built_model, verify_mindformers_log, verify_transformer_config
+from crossalign.models.layout import mindformers_buffers, mindformers_shapes
+from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.tensorio.safetensors_io import read_header
 from crossalign.config import load_config
 from crossalign.patching import apply_patch, load_patch
-from crossalign.logs.mindformers import parse_mindformers_log
+from crossalign.sides.mindformers.log_parser import parse_mindformers_log
 from mindformers_upstream import RELEASES, run_driver
 
 MODELS = ("qwen35_moe_tiny", "qwen35_dense_tiny")

@@ -25,7 +25,7 @@ from crossalign.models.ms_model import (  # noqa: E402
     load_mindformers_state,
     mindformers_state,
 )
-from crossalign.checkpoint.layout import mindformers_shapes, random_mindformers_state  # noqa: E402
+from crossalign.models.layout import mindformers_shapes, random_mindformers_state  # noqa: E402
 from crossalign.config import load_config  # noqa: E402
 
 configure_cpu_runtime()

@@ -12,20 +12,21 @@ import torch
 
 pytest.importorskip("mindspore")
 
-from crossalign.backends.base import DatasetFiles, TrainRequest  # noqa: E402
-from crossalign.backends.local.ms_trainer import (  # noqa: E402
+from crossalign.data.files import DatasetFiles
+from crossalign.sides.protocol import TrainRequest
+from crossalign.sides.mindformers.embedded.trainer import (  # noqa: E402
     LocalMindFormersBackend,
     TrainingSetupError,
     train_on_batches,
     warmup_lr,
 )
-from crossalign.checkpoint.mindformers import (  # noqa: E402
+from crossalign.sides.mindformers.checkpoint import (  # noqa: E402
     default_common,
     read_mindformers_checkpoint,
     write_mindformers_checkpoint,
 )
 from crossalign.config import load_config  # noqa: E402
-from crossalign.logs.mindformers import parse_mindformers_log  # noqa: E402
+from crossalign.sides.mindformers.log_parser import parse_mindformers_log  # noqa: E402
 
 LINE = re.compile(
     r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - mindformers(?P<logdir>/\S*)"
@@ -199,7 +200,7 @@ def test_wrongly_shaped_batches_are_refused_naming_the_step(tmp_path):
 def test_backend_reads_the_mindformers_sample_order_and_reruns_identically(tmp_path):
     """train() on the prepared dataset equals a second run on batches_for's batches: the same order,
     and the same numbers run to run (timestamps and step times aside)."""
-    from crossalign.data.order import batches_for
+    from crossalign.sides.registry import batches_for
     from crossalign.data.prepare import prepare_dataset
 
     files = prepare_dataset(tmp_path / "data", 2048)
@@ -217,10 +218,10 @@ def test_a_release_2_0_0_run_prints_its_mtp_loss_scaled_and_compares_it_unscaled
     (pynative/transformers/multi_token_prediction.py:644-649) and the compare divides it back; an embedded run
     claiming 2.0.0 prints it so, and its MTP loss then equals the embedded megatron-core run's, which prints it
     unscaled (with the 2.1.0 line the compare would read it 1 / 0.3 times too large)."""
-    from crossalign.backends.local.mcore_trainer import run_training
+    from crossalign.sides.megatron.embedded.trainer import run_training
     from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.checkpoint.layout import random_mindformers_state
-    from crossalign.checkpoint.megatron import read_megatron_checkpoint
+    from crossalign.models.layout import random_mindformers_state
+    from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
     from crossalign.report.compare import options_from_config, parse_both
 
     config = _config(train_iters=2, lr_warmup_iters=1, mindformers_version="2.0.0")

@@ -5,15 +5,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from crossalign.backends.preflight import preflight_config
+from crossalign.preflight.config import preflight_config
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.convert_core import megatron_to_mindformers, mindformers_to_megatron
-from crossalign.checkpoint.layout import NORM_SUFFIXES, random_mindformers_state
-from crossalign.checkpoint.megatron import read_megatron_checkpoint
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.models.layout import NORM_SUFFIXES, random_mindformers_state
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
+from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
 from crossalign.checkpoint.norms import MEGATRON_NORM_SUFFIXES, norm_convention_problem, stored_norm_convention
 from crossalign.config import load_config
-from crossalign.diagnose.sides import build_megatron, random_batch, run_megatron
+from crossalign.diagnose.references import build_megatron, random_batch, run_megatron
 
 PLAIN = load_config("qwen35_moe_tiny")
 ZERO = PLAIN.model_copy(update={"model": PLAIN.model.model_copy(update={"norm_convention": "zero_centred"})})
@@ -79,7 +79,7 @@ def test_megatron_launch_carries_the_flag_and_preflight_expects_the_difference()
     assert (row.megatron, row.mindformers, row.ok) == ("1+w", "plain w", True) and "zero_centred" in row.note
     plain = preflight_config(PLAIN)
     assert next(r for r in plain.rows if r.name == "norm weight form").megatron == "plain w"
-    from crossalign.backends.megatron import megatron_args
+    from crossalign.sides.megatron.args import megatron_args
 
     args = megatron_args(ZERO, data_prefix=Path("DATA") / "corpus_text_document", tokenizer=None,
                          load_dir=Path("CKPT"))

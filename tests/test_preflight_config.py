@@ -9,12 +9,15 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from crossalign.backends.megatron import megatron_args
-from crossalign.backends.mindformers import mindformers_yaml
-from crossalign.backends.preflight import megatron_lr, mindformers_lr, preflight_config
+from crossalign.sides.megatron.args import megatron_args
+from crossalign.sides.mindformers.yaml import mindformers_yaml
+from crossalign.preflight.config import preflight_config
+from crossalign.sides.megatron.args_reader import megatron_lr
+from crossalign.sides.mindformers.yaml_reader import mindformers_lr
 from crossalign.cli import app
 from crossalign.config import load_config
-from crossalign.launch_files import PreflightInputError, load_megatron_args_file
+from crossalign.sides.readings import PreflightInputError
+from crossalign.sides.megatron.args_reader import load_megatron_args_file
 
 PREFIX = "/data/corpus_text_document"
 

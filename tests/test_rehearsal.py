@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from crossalign.backends.local import mcore_cpu
-from crossalign.checkpoint.digest import LoadDigestError
-from crossalign.rehearsal import megatron_cpu
+from crossalign.sides.megatron.embedded import mcore_cpu
+from crossalign.tensorio.digest import LoadDigestError
+from crossalign.sides.megatron import rehearsal_cpu as megatron_cpu
 from crossalign.store import RunStore
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
@@ -58,8 +58,8 @@ def test_every_runtime_stand_in_is_listed_with_its_reason():
 
 
 SELF_TEST = """
-from crossalign.backends.local.mcore_cpu import MegatronCpuError, Workaround
-from crossalign.rehearsal import megatron_cpu
+from crossalign.sides.megatron.embedded.mcore_cpu import MegatronCpuError, Workaround
+from crossalign.sides.megatron import rehearsal_cpu as megatron_cpu
 megatron_cpu.self_test()
 megatron_cpu.TRAINING_WORKAROUNDS = (Workaround("megatron.legacy.fused_kernels", "load", "for the test",
                                                 lambda: None, "no such upstream line"),)
@@ -101,7 +101,7 @@ def embedded_run(store: RunStore, config: str, run_id: str, overrides: tuple[str
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("config", ["qwen35_dense_tiny", "qwen35_moe_tiny"])
 def test_rehearsal_trains_five_iterations_as_the_embedded_run_does(store: RunStore, config: str, tmp_path: Path):
-    from crossalign.rehearsal.gpu import embedded_losses, max_abs_diff, rehearse_gpu
+    from crossalign.sides.megatron.rehearsal import embedded_losses, max_abs_diff, rehearse_gpu
 
     run = embedded_run(store, config, config.replace("_", "-"))
     shared_cache = Path(run.dataset.prefix).parent / "cache"
@@ -134,8 +134,8 @@ def test_rehearsal_trains_five_iterations_as_the_embedded_run_does(store: RunSto
 @pytest.mark.timeout(1800)
 def test_a_renamed_and_a_missing_expert_tensor_fail_the_rehearsal_naming_both(store: RunStore, tmp_path: Path):
     """Megatron itself prints 'load_return: None' and 'successfully loaded checkpoint' and trains on."""
-    from crossalign.checkpoint.megatron import read_megatron_checkpoint, write_megatron_checkpoint
-    from crossalign.rehearsal.gpu import rehearse_gpu
+    from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint, write_megatron_checkpoint
+    from crossalign.sides.megatron.rehearsal import rehearse_gpu
 
     run = embedded_run(store, "qwen35_moe_tiny", "qwen35-moe-tiny")
     converted = read_megatron_checkpoint(run.step_dir("convert") / "checkpoint")
@@ -157,7 +157,7 @@ def test_a_renamed_and_a_missing_expert_tensor_fail_the_rehearsal_naming_both(st
 
 
 def _rehearsal(precision: str, generated: str) -> "GpuRehearsal":
-    from crossalign.rehearsal.gpu import GpuRehearsal
+    from crossalign.sides.megatron.rehearsal import GpuRehearsal
 
     return GpuRehearsal(folder=Path("r"), log=Path("r/train.log"), checkout=Path("m"), megatron_core="0.16.1",
                         argument_changes=[], workarounds=[], losses={1: {"lm_loss": 7.312234}},
@@ -183,7 +183,7 @@ def test_a_bf16_run_rehearsed_with_its_bf16_trains_in_bf16_on_the_cpu(store: Run
     """--bf16 kept (crossalign rehearse --bf16): Megatron's Float16Module and bf16 optimizer run on the CPU, the load
     digest holds the bf16 parameters against the checkpoint rounded to bf16, and the losses are the embedded
     megatron-core step's in bf16 (training.embedded_precision) where no update has changed the weights yet."""
-    from crossalign.rehearsal.gpu import embedded_losses, max_abs_diff, rehearse_gpu
+    from crossalign.sides.megatron.rehearsal import embedded_losses, max_abs_diff, rehearse_gpu
 
     run = embedded_run(store, "qwen35_dense_tiny", "dense-tiny-bf16", ("training.embedded_precision=bf16",))
     result = rehearse_gpu(run, Path(CHECKOUT), tmp_path / "gpu", fp32=False)

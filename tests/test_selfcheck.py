@@ -11,16 +11,16 @@ from typer.testing import CliRunner
 
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.checkpoint.convert_core import mindformers_to_megatron
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS, inject_fault
-from crossalign.checkpoint.layout import random_mindformers_state
-from crossalign.checkpoint.mindformers import default_common, write_mindformers_checkpoint
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.checkpoint.rules import conversion_plan
 from crossalign.cli import app
 from crossalign.config import load_config
-from crossalign.diagnose.sides import (SideError, build_megatron, build_mindspore, random_batch, run_megatron,
+from crossalign.diagnose.references import (SideError, build_megatron, build_mindspore, random_batch, run_megatron,
                                        run_mindspore)
-from crossalign.selfcheck import IMPLEMENTATIONS, compare_outputs, selfcheck
+from crossalign.diagnose.selfcheck import IMPLEMENTATIONS, compare_outputs, selfcheck
 
 SEQ, BATCH = 32, 1
 CONFIGS = ("qwen35_dense_tiny", "qwen35_moe_tiny")
@@ -132,7 +132,7 @@ def test_cli_exit_status(tmp_path):
 
 def _report(names, agreeing, load_errors=()):
     """A report over ``names`` where exactly the pairs in ``agreeing`` passed."""
-    from crossalign.selfcheck import ImplementationResult, OutputCheck, PairCheck, SelfcheckReport
+    from crossalign.diagnose.selfcheck import ImplementationResult, OutputCheck, PairCheck, SelfcheckReport
 
     report = SelfcheckReport("m", (1, 1), "b", "ms", "mg", None)
     report.implementations = [ImplementationResult(n, "megatron", load_error="missing x" if n in load_errors else None)

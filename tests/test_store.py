@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from crossalign.backends.base import DatasetFiles
+from crossalign.data.files import DatasetFiles
 from crossalign.config import load_config
 from crossalign.store import (
     MANIFEST,

@@ -17,10 +17,10 @@ import torch
 import torch.multiprocessing as mp
 
 from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.layout import random_mindformers_state
-from crossalign.checkpoint.megatron import read_megatron_checkpoint
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
+from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
 from crossalign.config import load_config
 
 CONFIG = load_config("qwen35_moe_tiny")
@@ -106,10 +106,10 @@ def _load_and_save(rank: int, world: int, folder: str, source: str, checkpoint: 
     The layouts run in the same two processes (one gloo group after the other), so that
     importing megatron-core is paid once.
     """
-    from crossalign.backends.local.mcore_cpu import CudaLiteralsToCpu, ProcessGroup, megatron_core_on_cpu
-    from crossalign.backends.local.mcore_model import Shard, build_gpt_model, load_converted_state
+    from crossalign.sides.megatron.embedded.mcore_cpu import CudaLiteralsToCpu, ProcessGroup, megatron_core_on_cpu
+    from crossalign.sides.megatron.embedded.mcore_model import Shard, build_gpt_model, load_converted_state
     from crossalign.checkpoint.convert_core import mindformers_to_megatron
-    from crossalign.checkpoint.torch_dist import load_sharded, save_sharded
+    from crossalign.sides.megatron.torch_dist import load_sharded, save_sharded
     from crossalign.config import MegatronParallel
 
     state = read_mindformers_checkpoint(Path(source))

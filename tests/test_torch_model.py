@@ -19,7 +19,7 @@ from crossalign.models.torch_model import (
     roll_left,
     rotary_cos_sin,
 )
-from crossalign.checkpoint.layout import megatron_shapes
+from crossalign.models.layout import megatron_shapes
 from crossalign.config import load_config
 
 DENSE = load_config("qwen35_dense_tiny").model

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from crossalign.backends.base import DatasetFiles, TrainRequest
+from crossalign.data.files import DatasetFiles
+from crossalign.sides.protocol import TrainRequest
 from crossalign.models.torch_model import Qwen35Model, StateDictMismatch
-from crossalign.backends.local.torch_trainer import _optimizer, megatron_lr, run_training
+from crossalign.sides.megatron.embedded.torch_trainer import _optimizer, megatron_lr, run_training
 from crossalign.config import load_config
 
 LINE = re.compile(

@@ -197,7 +197,7 @@ def _pool_checks(pool: str, site: SiteConfig, apply_patches: bool) -> list[Check
 
 def _dataset_helpers(framework: FrameworkSite) -> Check:
     """Megatron compiles its dataset helpers at start-up with whatever python3 is on PATH: built, or buildable."""
-    from crossalign.backends.megatron import dataset_helpers_problem
+    from crossalign.sides.megatron.backend import dataset_helpers_problem
 
     problem = dataset_helpers_problem(Path(framework.path).expanduser(), framework.python)  # type: ignore[arg-type]
     return Check("Megatron dataset helpers", problem is None, problem or f"built for {framework.python}")
@@ -205,8 +205,8 @@ def _dataset_helpers(framework: FrameworkSite) -> Check:
 
 def _megatron_python(framework: FrameworkSite) -> Check:
     """The framework's interpreter against the checkout's requires-python (3.12 from core 0.17)."""
-    from crossalign.backends.launch import BackendSetupError
-    from crossalign.backends.megatron import python_mismatch, python_requirement
+    from crossalign.sides.launch import BackendSetupError
+    from crossalign.sides.megatron.backend import python_mismatch, python_requirement
 
     checkout = Path(framework.path).expanduser()  # type: ignore[arg-type]
     try:

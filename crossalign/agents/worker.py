@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from crossalign.agents.pools import FLOW_RUN_PYTHON, POOLS
+from crossalign.agents.pools import POOLS
 from crossalign.site import SITE_ENV, STORE_ENV, SiteConfig
 
 

@@ -1,5 +1,5 @@
 """MindFormers and Megatron checkpoints: reading, writing, the bf16 cast and the conversion rules."""
 
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.errors import CheckpointError
 
 __all__ = ["CheckpointError"]

@@ -27,10 +27,10 @@ from typing import Callable
 
 import torch
 
-from crossalign.checkpoint.atomic import atomic_directory, check_output_dir
-from crossalign.checkpoint.blocks import BlockCaster, ReusedBuffer, one_thread
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.mindformers import (
+from crossalign.tensorio.atomic import atomic_directory, check_output_dir
+from crossalign.tensorio.blocks import BlockCaster, ReusedBuffer, one_thread
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.sides.mindformers.checkpoint import (
     METADATA,
     MINDSPORE_DTYPE_NAMES,
     TRACKER,
@@ -38,14 +38,8 @@ from crossalign.checkpoint.mindformers import (
     is_optimizer_entry,
     read_mindformers_checkpoint,
 )
-from crossalign.checkpoint.safetensors_io import (
-    BLOCK_BYTES,
-    FLOATING,
-    SafetensorsWriter,
-    TensorInfo,
-    read_header,
-    read_rows,
-)
+from crossalign.tensorio.blocks import BLOCK_BYTES
+from crossalign.tensorio.safetensors_io import FLOATING, SafetensorsWriter, TensorInfo, read_header, read_rows
 
 Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, tensor name)
 

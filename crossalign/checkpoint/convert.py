@@ -25,8 +25,8 @@ from typing import Iterable, Iterator, Literal
 
 import torch
 
-from crossalign.checkpoint.atomic import check_output_dir
-from crossalign.checkpoint.blocks import one_thread
+from crossalign.tensorio.atomic import check_output_dir
+from crossalign.tensorio.blocks import one_thread
 from crossalign.checkpoint.convert_core import (
     ConvertReport,
     Progress,
@@ -47,24 +47,24 @@ from crossalign.checkpoint.convert_core import (
     stored_dtype,
     to_mindformers,
 )
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.hf_convert import HF_DIRECTIONS, convert_hf
-from crossalign.checkpoint.layout import check_expert_form, megatron_shapes
-from crossalign.checkpoint.megatron import (
+from crossalign.models.layout import check_expert_form, megatron_shapes
+from crossalign.sides.megatron.checkpoint import (
     open_megatron_stream,
     read_megatron_checkpoint,
     stream_megatron_checkpoint,
     write_torch_dist_checkpoint,
 )
-from crossalign.checkpoint.mindformers import (
+from crossalign.sides.mindformers.checkpoint import (
     default_common,
     read_mindformers_checkpoint,
     stream_mindformers_checkpoint,
     write_mindformers_checkpoint,
 )
-from crossalign.checkpoint.reshard import check_parallel_sizes, mindformers_split_dim
+from crossalign.sides.megatron.sharding import check_parallel_sizes, mindformers_split_dim
 from crossalign.checkpoint.rules import conversion_plan
-from crossalign.checkpoint.torch_file import TensorSpec
+from crossalign.tensorio.torch_file import TensorSpec
 from crossalign.config import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -20,16 +20,16 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from crossalign.checkpoint.blocks import ReusedBuffer
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.blocks import ReusedBuffer
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import inject_fault
-from crossalign.checkpoint.layout import check_expert_form, megatron_shapes, mindformers_buffers, mindformers_shapes
-from crossalign.checkpoint.mindformers import MindFormersCheckpoint
-from crossalign.checkpoint.mismatch import key_mismatches
+from crossalign.models.layout import check_expert_form, megatron_shapes, mindformers_buffers, mindformers_shapes
+from crossalign.sides.mindformers.checkpoint import MindFormersCheckpoint
+from crossalign.tensorio.mismatch import key_mismatches
 from crossalign.checkpoint.rules import PlacedRule, conversion_plan
-from crossalign.checkpoint.safetensors_io import DTYPES as STORED_DTYPES
-from crossalign.checkpoint.safetensors_io import TensorInfo
-from crossalign.checkpoint.torch_file import TensorSpec
+from crossalign.tensorio.safetensors_io import DTYPES as STORED_DTYPES
+from crossalign.tensorio.safetensors_io import TensorInfo
+from crossalign.tensorio.torch_file import TensorSpec
 from crossalign.config import ModelConfig
 
 log = logging.getLogger(__name__)

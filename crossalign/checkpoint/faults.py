@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.layout import mtp_layer_prefix
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.models.layout import mtp_layer_prefix
 from crossalign.checkpoint.rules import Deinterleave, Fuse, PlacedRule, Rename, Rule, Squeeze, Tensors, TransposeExperts
 from crossalign.config import ModelConfig
 
@@ -128,7 +128,7 @@ def break_layout(shards: dict, fault: str, model: ModelConfig) -> None:
     it; a fault this layout cannot show is an error."""
     import re
 
-    from crossalign.checkpoint.reshard import merge_tensors, partition_of
+    from crossalign.sides.megatron.sharding import merge_tensors, partition_of
 
     tp, ep = 1 + max(rank[0] for rank in shards), 1 + max(rank[2] for rank in shards)
     if fault == "in_proj_split_as_one_block":
@@ -158,7 +158,7 @@ def inject_layout_fault(iteration_dir, fault: str, model: ModelConfig, tp: int, 
     """Rewrite the rank files of a converted tp x pp x ep checkpoint (its ``iter_N`` folder) with ``fault``."""
     from pathlib import Path
 
-    from crossalign.checkpoint.megatron import MODEL_FILE, rank_dir_name
+    from crossalign.sides.megatron.checkpoint import MODEL_FILE, rank_dir_name
 
     files = {(t, p, e): Path(iteration_dir) / rank_dir_name(t, p, pp, e, ep) / MODEL_FILE
              for t in range(tp) for p in range(pp) for e in range(ep)}

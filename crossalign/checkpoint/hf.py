@@ -17,11 +17,11 @@ from typing import Any, Mapping
 
 import torch
 
-from crossalign.checkpoint.atomic import atomic_directory
-from crossalign.checkpoint.blocks import ReusedBuffer
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.atomic import atomic_directory
+from crossalign.tensorio.blocks import ReusedBuffer
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.hf_rules import ROOTS, HFExperts
-from crossalign.checkpoint.safetensors_io import TensorInfo, read_header, read_tensor, write_safetensors
+from crossalign.tensorio.safetensors_io import TensorInfo, read_header, read_tensor, write_safetensors
 from crossalign.config import ConfigError, ModelConfig
 from crossalign.hf_config import model_config_from_hf, read_config_json
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from crossalign.checkpoint.atomic import check_output_dir
-from crossalign.checkpoint.blocks import one_thread
+from crossalign.tensorio.atomic import check_output_dir
+from crossalign.tensorio.blocks import one_thread
 from crossalign.checkpoint.convert_core import (
     ConvertReport,
     Progress,
@@ -35,13 +35,13 @@ from crossalign.checkpoint.convert_core import (
     run_rules,
     to_mindformers,
 )
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.hf import HFCheckpoint, read_hf_checkpoint, write_hf_checkpoint
 from crossalign.checkpoint.hf_rules import hf_plan, hf_shapes
-from crossalign.checkpoint.layout import check_expert_form
-from crossalign.checkpoint.megatron import stream_megatron_checkpoint
-from crossalign.checkpoint.mindformers import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
-from crossalign.checkpoint.reshard import check_parallel_sizes
+from crossalign.models.layout import check_expert_form
+from crossalign.sides.megatron.checkpoint import stream_megatron_checkpoint
+from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.sides.megatron.sharding import check_parallel_sizes
 from crossalign.config import ConfigError, ModelConfig
 from crossalign.hf_config import hf_config_from_model
 

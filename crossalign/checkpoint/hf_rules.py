@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from crossalign.checkpoint.layout import Shape, mtp_layer_prefix
+from crossalign.models.layout import Shape, mtp_layer_prefix
 from crossalign.checkpoint.rules import Fuse, ManyToOne, OneToOne, PlacedRule, Rename, Rule, Tensors
 from crossalign.config import ModelConfig
 

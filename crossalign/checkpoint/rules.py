@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from crossalign.checkpoint.errors import CheckpointError
-from crossalign.checkpoint.layout import NORM_SUFFIXES, mtp_layer_prefix
+from crossalign.tensorio.errors import CheckpointError
+from crossalign.models.layout import NORM_SUFFIXES, mtp_layer_prefix
 from crossalign.config import ModelConfig
 
 Tensors = list[torch.Tensor]

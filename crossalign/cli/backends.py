@@ -116,10 +116,12 @@ def config(
     """Read back every number-changing setting from both launch configurations; exit 1 naming each mismatch."""
     from rich.table import Table
 
-    from crossalign.backends.launch import BackendSetupError
-    from crossalign.backends.preflight import preflight_config
+    from crossalign.sides.launch import BackendSetupError
+    from crossalign.preflight.config import preflight_config
     from crossalign.config import ConfigError, load_config
-    from crossalign.launch_files import PreflightInputError, load_megatron_args_file, load_mindformers_yaml_file
+    from crossalign.sides.readings import PreflightInputError
+    from crossalign.sides.megatron.args_reader import load_megatron_args_file
+    from crossalign.sides.mindformers.yaml_reader import load_mindformers_yaml_file
 
     with user_errors(ConfigError, PreflightInputError, BackendSetupError):
         cfg = load_config(model, overrides)

@@ -42,7 +42,7 @@ def cast_bf16_command(
     """Cast every floating tensor of a MindFormers checkpoint to bf16, keeping its layout (any model)."""
     _use_huge_pages()
     from crossalign.checkpoint.cast import cast_bf16
-    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.tensorio.errors import CheckpointError
 
     with user_errors(CheckpointError, OSError), _progress() as progress:
         task = progress.add_task("casting", total=None)
@@ -91,7 +91,7 @@ def convert_command(
     from rich.table import Table
 
     from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.tensorio.errors import CheckpointError
     from crossalign.checkpoint.faults import FAULTS
     from crossalign.config import ConfigError, load_config
 

@@ -58,7 +58,7 @@ def compare(
 
     from crossalign.cli.common import console, user_errors
     from crossalign.config import ConfigError, load_config
-    from crossalign.logs import LogFormatError
+    from crossalign.sides.log_common import LogFormatError
     from crossalign.report.compare import CompareOptions, compare_logs, options_from_config
     from crossalign.report.render import ReportWriteError, check_out_dir, metric_rows
     from crossalign.report.sides import SideFormatError

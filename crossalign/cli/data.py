@@ -80,19 +80,18 @@ def preflight_data(
     mindformers_num_samples: Optional[int] = typer.Option(None, help="Override MindFormers' sizes[0]."),
 ) -> None:
     """Compare the token digests of the first global batches of both sides; exit 1 when they differ."""
-    from crossalign.launch_files import load_megatron_args_file, load_mindformers_yaml_file
+    from crossalign.sides.megatron.side import MEGATRON
+    from crossalign.sides.mindformers.side import MINDFORMERS
     from crossalign.config import ConfigError, load_config
-    from crossalign.data.preflight import compare_sample_order
-    from crossalign.data.settings import SampleOrderSettings
+    from crossalign.preflight.data import compare_sample_order
 
     with user_errors(ConfigError, ValueError, OSError):
         config = load_config(model)
         training = config.training
         prefix = _resolve_prefix(data, config.model.vocab_size)
-        megatron = (SampleOrderSettings.from_megatron_args(load_megatron_args_file(megatron_args))
-                    if megatron_args else SampleOrderSettings.for_megatron(training))
-        mindformers = (SampleOrderSettings.from_mindformers_yaml(load_mindformers_yaml_file(mindformers_yaml))
-                       if mindformers_yaml else SampleOrderSettings.for_mindformers(training))
+        megatron = MEGATRON.launch_sample_order(megatron_args) if megatron_args else MEGATRON.sample_order(training)
+        mindformers = (MINDFORMERS.launch_sample_order(mindformers_yaml) if mindformers_yaml
+                       else MINDFORMERS.sample_order(training))
         megatron = _override(megatron, seed=megatron_seed, split=megatron_split, blend=megatron_blend,
                              dataloader_type=megatron_loader, num_samples=megatron_num_samples)
         mindformers = _override(mindformers, seed=mindformers_seed, split=mindformers_split, blend=mindformers_blend,

@@ -74,13 +74,13 @@ def diagnose_command(
 
     Exit status 0 when no module diverges and the checkpoint loads strictly, 1 otherwise, 2 for unusable input.
     """
-    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.tensorio.errors import CheckpointError
     from crossalign.config import ConfigError, load_config
     from crossalign.diagnose.dump import DumpError
     from crossalign.diagnose.mapping import MappingError
     from crossalign.diagnose.report import print_diagnosis
     from crossalign.diagnose.run import compare_dump_folders, diagnose, write_reports
-    from crossalign.diagnose.sides import SideError
+    from crossalign.diagnose.references import SideError
     from crossalign.store import StoreError
 
     with user_errors(CheckpointError, ConfigError, SideError, DumpError, MappingError, StoreError, OSError):

@@ -57,7 +57,7 @@ def import_hf_command(
     """Read a Hugging Face config.json (and whether the checkpoint carries an MTP layer) into a crossalign config."""
     import yaml
 
-    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.tensorio.errors import CheckpointError
     from crossalign.checkpoint.hf import read_hf_checkpoint
     from crossalign.config import AlignmentConfig, ConfigError, load_config
 
@@ -114,11 +114,11 @@ def selfcheck_command(
     from rich.markup import escape
     from rich.table import Table
 
-    from crossalign.checkpoint.errors import CheckpointError
+    from crossalign.tensorio.errors import CheckpointError
     from crossalign.checkpoint.faults import FAULTS, LAYOUT_FAULTS
     from crossalign.config import ConfigError, load_config
-    from crossalign.diagnose.sides import SideError
-    from crossalign.selfcheck import scalar_outputs, selfcheck
+    from crossalign.diagnose.references import SideError
+    from crossalign.diagnose.selfcheck import scalar_outputs, selfcheck
 
     with user_errors(CheckpointError, ConfigError, SideError, OSError):
         if fault is not None and fault not in {**FAULTS, **LAYOUT_FAULTS}:

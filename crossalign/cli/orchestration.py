@@ -214,7 +214,7 @@ def _verdict(run) -> tuple[str | None, str | None]:
     from crossalign.tasks.compare import SUMMARY
 
     if not run.is_done("compare"):
-        from crossalign.tasks.stop import stopped_report
+        from crossalign.stop import stopped_report
 
         stopped = stopped_report(run)  # fail-fast ended the run before step 6
         if stopped is None:

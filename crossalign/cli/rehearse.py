@@ -75,10 +75,10 @@ def rehearse(
 
 
 def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32: bool) -> bool:
-    from crossalign.backends.launch import BackendRunError, BackendSetupError
-    from crossalign.checkpoint.errors import CheckpointError
-    from crossalign.rehearsal.gpu import embedded_losses, rehearse_gpu
-    from crossalign.rehearsal.megatron_cpu import MegatronCpuError
+    from crossalign.sides.launch import BackendRunError, BackendSetupError
+    from crossalign.tensorio.errors import CheckpointError
+    from crossalign.sides.megatron.rehearsal import embedded_losses, rehearse_gpu
+    from crossalign.sides.megatron.embedded.mcore_cpu import MegatronCpuError
 
     console.print(f"gpu: rehearsing {run.run_id}'s megatron-train launch with {checkout} in {folder} ...")
     try:
@@ -102,7 +102,7 @@ def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32:
         console.print(f"  {change.flag} -> {' '.join(change.becomes) or '(dropped)'}: {change.reason}",
                       highlight=False)
     console.print("  --load -> the same checkpoint under megatron-core's local-module names (te_local.py)")
-    console.print("gpu: stood in for (at run time, crossalign/rehearsal/megatron_cpu.py):")
+    console.print("gpu: stood in for (at run time, crossalign/sides/megatron/rehearsal_cpu.py):")
     for name, reason in result.workarounds:
         console.print(f"  {name}: {reason}", highlight=False)
     embedded = embedded_losses(run)
@@ -116,8 +116,8 @@ def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32:
 
 
 def _npu(run, checkout: Path, python: str, folder: Path) -> bool:
-    from crossalign.backends.launch import BackendSetupError
-    from crossalign.rehearsal.npu import NpuRehearsalError, rehearse_npu
+    from crossalign.sides.launch import BackendSetupError
+    from crossalign.sides.mindformers.rehearsal import NpuRehearsalError, rehearse_npu
 
     try:
         result = rehearse_npu(run, checkout, python, folder)

@@ -24,16 +24,14 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
 import numpy as np
 
-from crossalign.config import TrainingConfig
 from crossalign.data.mcore import quiet_megatron_import
 from crossalign.data.prepare import CACHE_DIR_NAME, MANIFEST_NAME
 from crossalign.data.settings import SampleOrderError, SampleOrderSettings
 
-SideName = Literal["mindformers", "megatron"]
 
 _BUILD_LOCK = threading.Lock()  # one build at a time per process: they share the process group
 
@@ -101,25 +99,6 @@ def _epoch_permutation(bucket_size: int, epoch: int) -> np.ndarray:
     generator = torch.Generator()
     generator.manual_seed(epoch)
     return torch.randperm(bucket_size, generator=generator).numpy()
-
-
-def side_settings(side: SideName, training: TrainingConfig, num_samples: int | None = None) -> SampleOrderSettings:
-    """The settings our generated launch of ``side`` uses for ``training``."""
-    if side == "megatron":
-        return SampleOrderSettings.for_megatron(training, num_samples)
-    if side == "mindformers":
-        return SampleOrderSettings.for_mindformers(training, num_samples)
-    raise SampleOrderError(f"side: {side!r} is not 'mindformers' or 'megatron'")
-
-
-def batches_for(side: SideName, training: TrainingConfig, prefix: Path,
-                num_samples: int | None = None) -> GlobalBatches:
-    """The global batches ``side`` reads from the indexed dataset ``prefix`` with the settings of ``training``.
-
-    ``num_samples`` defaults to train_iters * global_batch_size (pass base_train_iters * gbs for a base run).
-    """
-    settings = side_settings(side, training, num_samples)
-    return global_batches(settings, prefix, training.global_batch_size)
 
 
 def global_batches(settings: SampleOrderSettings, prefix: Path, global_batch_size: int) -> GlobalBatches:

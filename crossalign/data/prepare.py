@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from crossalign.data.corpus import CORPUS_SHA256, corpus_documents
-from crossalign.launch_files import DatasetFiles
+from crossalign.data.files import DatasetFiles
 
 PREFIX_NAME = "corpus_text_document"
 TOKENIZER_NAME = "tokenizer.json"

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from crossalign.config import ModelConfig
-from crossalign.diagnose.sides import Batch, Outputs, SideError
+from crossalign.diagnose.references import Batch, Outputs, SideError
 
 KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn")
 MODELING = ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
@@ -79,7 +79,7 @@ def module_pairs(ref: HFReference, core_version: str) -> list[tuple[str, str]]:
     outputs are the embedding, each layer's mixer and MLP (before the residual add) and the layer
     itself, the final norm, the MTP layer's fc, inner layer and norm, and the output layer.
     """
-    from crossalign.checkpoint.layout import mtp_layer_prefix
+    from crossalign.models.layout import mtp_layer_prefix
 
     m = ref.model
     pairs = [("lm.model.embed_tokens", "embedding.word_embeddings")]
@@ -118,7 +118,7 @@ def first_departure(ref: HFReference, net: Any, batch: Batch, core_version: str,
         hooks.append(net.get_submodule(torch_name).register_forward_hook(keep("pt:" + torch_name)))
     try:
         run_hf(ref, batch)
-        from crossalign.diagnose.sides import run_megatron
+        from crossalign.diagnose.references import run_megatron
 
         run_megatron(net, batch)
     finally:

@@ -137,7 +137,7 @@ def _row_permutation(rule, rows: int) -> np.ndarray | None:
 
 def module_mapping(model: ModelConfig, core_version: str = "0.16.1") -> ModuleMapping:
     """The module mapping of ``model`` from the converter's own rules (``conversion_plan``)."""
-    from crossalign.checkpoint.layout import mindformers_shapes
+    from crossalign.models.layout import mindformers_shapes
     from crossalign.checkpoint.rules import conversion_plan
 
     plan = conversion_plan(model, core_version, "per_expert")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from crossalign.checkpoint.errors import CheckpointError
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.config import ModelConfig
 
 Layout = tuple[int, int, int]  # (tp, pp, ep)
@@ -35,8 +35,8 @@ class LoadedMegatron:
 
 def read_as_megatron_loads(path: Path, model: ModelConfig, core_version: str) -> LoadedMegatron:
     """The checkpoint at ``path`` merged strictly, or, when its ranks do not fit together, as each rank loads it."""
-    from crossalign.checkpoint.megatron import find_iteration_dir, read_megatron_checkpoint, read_rank_states
-    from crossalign.checkpoint.reshard import merge_shards
+    from crossalign.sides.megatron.checkpoint import find_iteration_dir, read_megatron_checkpoint, read_rank_states
+    from crossalign.sides.megatron.sharding import merge_shards
 
     try:
         checkpoint = read_megatron_checkpoint(Path(path), model, core_version)
@@ -62,7 +62,7 @@ def read_as_megatron_loads(path: Path, model: ModelConfig, core_version: str) ->
 
 def _initial_rank_parts(model: ModelConfig, core_version: str, layout: Layout) -> dict:
     """Each rank's part of the PyTorch reference at its initial values (the seed ``sides.build_megatron`` uses)."""
-    from crossalign.checkpoint.reshard import shard_tensor
+    from crossalign.sides.megatron.sharding import shard_tensor
     from crossalign.models.torch_model import Qwen35Model
 
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def fit_ranks_to_model(shards: dict, model: ModelConfig, core_version: str, layo
     """Make every rank's state in ``shards`` hold exactly its part of the model, in place, as a lenient load does:
     keys it lacks or holds misshaped take the initial values, keys its part does not have are dropped. Returns one
     line per rank that did not fit, naming its folder and the keys."""
-    from crossalign.checkpoint.megatron import rank_dir_name
+    from crossalign.sides.megatron.checkpoint import rank_dir_name
     from crossalign.models.torch_model import unstack_expert_weights
 
     tp, pp, ep = layout

@@ -26,7 +26,7 @@ from crossalign.diagnose.hooks import install_mindspore_dump_hooks, install_torc
 from crossalign.diagnose.mapping import module_mapping
 from crossalign.diagnose.ranks import LoadedMegatron, read_as_megatron_loads
 from crossalign.diagnose.report import write_csv, write_html
-from crossalign.diagnose.sides import (Batch, SideError, build_megatron, build_mindspore, make_batch, run_megatron,
+from crossalign.diagnose.references import (Batch, SideError, build_megatron, build_mindspore, make_batch, run_megatron,
                                        run_mindspore)
 
 MINDSPORE_DUMP = "mindspore"
@@ -132,8 +132,8 @@ def diagnose(config: AlignmentConfig, ms_ckpt: Path | None, mg_ckpt: Path | None
     checkpoint must hold.
     """
     from crossalign.checkpoint.faults import FAULTS, LAYOUT_FAULTS
-    from crossalign.checkpoint.mindformers import read_mindformers_checkpoint
-    from crossalign.selfcheck import check_sources, converted_here, make_checkpoints
+    from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
+    from crossalign.diagnose.selfcheck import check_sources, converted_here, make_checkpoints
 
     check_sources(ms_ckpt, mg_ckpt, fault)
     if fault is not None and fault not in {**FAULTS, **LAYOUT_FAULTS}:

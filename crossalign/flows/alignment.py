@@ -24,11 +24,12 @@ from prefect.futures import wait
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Completed, State
 
-from crossalign.backends.base import DatasetFiles
-from crossalign.backends.preflight import preflight_config
+from crossalign.data.files import DatasetFiles
+from crossalign.preflight.config import preflight_config
 from crossalign.config import ConfigError, OverrideError
-from crossalign.data.order import side_settings
-from crossalign.data.preflight import compare_sample_order
+from crossalign.sides.megatron.side import MEGATRON
+from crossalign.sides.mindformers.side import MINDFORMERS
+from crossalign.preflight.data import compare_sample_order
 from crossalign.flows.events import StepEvent, emit
 from crossalign.flows.launch import execute_deployment, execute_subprocess, step_timeout
 from crossalign.flows.live import stop_error, stopped_outcome, watch_training
@@ -40,7 +41,7 @@ from crossalign.site import load_site
 from crossalign.store import STEP_NAMES, STEPS, RunStore, new_run_id, step_spec
 from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed
 from crossalign.tasks.prepare import prepare_run, resolve_config
-from crossalign.tasks.stop import clear_live
+from crossalign.stop import clear_live
 
 Mode = Literal["distributed", "embedded"]
 StepName = Literal[STEP_NAMES]  # type: ignore[valid-type]
@@ -105,7 +106,7 @@ def preflight(store: str, run_id: str) -> None:
             f"{row.name}: megatron {row.megatron} vs mindformers {row.mindformers}" for row in report.rows if not row.ok))
     logger.info(f"preflight: the generated Megatron and MindFormers settings agree ({len(report.rows)} checked)")
     training = config.training
-    order = compare_sample_order(side_settings("megatron", training), side_settings("mindformers", training),
+    order = compare_sample_order(MEGATRON.sample_order(training), MINDFORMERS.sample_order(training),
                                  run.dataset.prefix, training.global_batch_size,
                                  batches=min(PREFLIGHT_BATCHES, training.train_iters))
     if not order.identical:

@@ -9,7 +9,7 @@ artifact each, its data replaced, as Prefect updates a progress artifact), the C
 display gets the same table, and ``live/alignment.json`` and ``live/loss.png`` are rewritten.
 
 Fail-fast: once the outcome is decided, or one side failed while the other still trains, both
-trainings are asked to stop (``crossalign.tasks.stop``); one that has not stopped
+trainings are asked to stop (``crossalign.stop``); one that has not stopped
 ``STOP_GRACE_S`` later is cancelled through Prefect (distributed) or terminated (embedded). The
 run then ends ``fail`` with the reason, a report of what both sides logged (``live/report.html``)
 and how many steps and card-hours were saved. The site's ``fail_fast: false`` or the run's
@@ -30,7 +30,7 @@ from crossalign.report.live import Decision, LiveComparison, Snapshot, titled
 from crossalign.report.metrics import COMOVE_MIN_STEPS, MEAN_LIMIT, STEP1_LIMIT
 from crossalign.store import Run, step_spec, write_json_atomic
 from crossalign.tasks.errors import InfrastructureError, StepFailed
-from crossalign.tasks.stop import (STOPPABLE, hold_after_first_step, keep_log, kept_log_path, live_dir, read_stop,
+from crossalign.stop import (STOPPABLE, hold_after_first_step, keep_log, kept_log_path, live_dir, read_stop,
                                    release, request_stop, update_stop)
 
 LIVE_KEY = "live-alignment"

@@ -2,7 +2,7 @@
 
 ``parse_log`` finds out which framework wrote a file; ``parse_megatron_log`` and
 ``parse_mindformers_log`` read one format. The frame and its ``attrs`` are described in
-``crossalign.logs.common``.
+``crossalign.sides.log_common``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from crossalign.logs.common import LogFormatError, read_log_text
-from crossalign.logs.megatron import ITERATION_RE, parse_megatron_log, parse_megatron_text
-from crossalign.logs.mindformers import GRAPH_RE, PYNATIVE_RE, parse_mindformers_log, parse_mindformers_text
+from crossalign.sides.log_common import LogFormatError, read_log_text
+from crossalign.sides.megatron.log_parser import ITERATION_RE, parse_megatron_log, parse_megatron_text
+from crossalign.sides.mindformers.log_parser import GRAPH_RE, PYNATIVE_RE, parse_mindformers_log, parse_mindformers_text
 
 __all__ = ["LogFormatError", "detect_format", "parse_log", "parse_log_text", "parse_megatron_log",
            "parse_mindformers_log"]

@@ -13,11 +13,9 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from crossalign.logs.formats import (
-    MINDFORMERS_GRAPH_PROGRESS_SOURCE, MINDFORMERS_GRAPH_SOURCE, MINDFORMERS_PYNATIVE_SOURCE, graph_lines,
-    megatron_line, megatron_prints_first_iteration, megatron_resets_after_first_line, mindformers_prefix,
-    pynative_line,
-)
+from crossalign.sides.megatron.log_lines import megatron_line, megatron_prints_first_iteration, megatron_resets_after_first_line
+
+from crossalign.sides.mindformers.log_lines import MINDFORMERS_GRAPH_PROGRESS_SOURCE, MINDFORMERS_GRAPH_SOURCE, MINDFORMERS_PYNATIVE_SOURCE, graph_lines, mindformers_prefix, pynative_line
 
 _START = datetime(2026, 3, 20, 10, 11, 12, 345678)
 

@@ -23,7 +23,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
 from crossalign.models.ms_gdn import compiled_chunk_gated_delta_rule
-from crossalign.checkpoint.mismatch import key_mismatches
+from crossalign.tensorio.mismatch import key_mismatches
 from crossalign.config import ModelConfig
 
 GDN_QK_NORM_EPS = 1e-6

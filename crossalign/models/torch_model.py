@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crossalign.checkpoint.mismatch import key_mismatches
+from crossalign.tensorio.mismatch import key_mismatches
 from crossalign.config import ModelConfig
 
 
@@ -33,7 +33,7 @@ class StateDictMismatch(ValueError):
 
 def mtp_inner_layer_name(core_version: str) -> str:
     """Attribute of the MTP layer holding its transformer layer: renamed in megatron-core 0.17."""
-    from crossalign.checkpoint.layout import mtp_layer_prefix
+    from crossalign.models.layout import mtp_layer_prefix
 
     return mtp_layer_prefix(core_version)
 

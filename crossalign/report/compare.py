@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from crossalign.logs import parse_log
-from crossalign.logs.common import step_ranges
+from crossalign.sides.log_common import step_ranges
 from crossalign.report.diagnose import diagnose
 from crossalign.report.metrics import (
     ARITHMETIC_NOISE, COMOVE_MIN_STEPS, COMOVE_Z, GOLD_LIMIT, MEAN_LIMIT, MIN_STEPS, STEP1_LIMIT,
@@ -33,7 +33,7 @@ from crossalign.report.render import write_outputs
 from crossalign.report.sides import check_formats, name_different_models, same_log
 from crossalign.report.summary import Summary
 
-# crossalign's Megatron backends always launch with --log-interval 1 (crossalign/backends/megatron.py,
+# crossalign's Megatron backends always launch with --log-interval 1 (crossalign/sides/megatron/backend.py,
 # the embedded trainer likewise), so inside the DAG the interval is known.
 DAG_LOG_INTERVAL = 1
 

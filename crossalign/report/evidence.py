@@ -27,7 +27,8 @@ import numpy as np
 
 from crossalign.logs import parse_log
 from crossalign.logs.synthetic import megatron_lines, mindformers_lines, write_log
-from crossalign.report.compare import CompareOptions, Summary, build_summary
+from crossalign.report.compare import CompareOptions, build_summary
+from crossalign.report.summary import Summary
 
 CORE_VERSION = "0.16.1"
 KINDS = ("different", "aligned")

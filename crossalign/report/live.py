@@ -2,7 +2,7 @@
 
 Both training steps write their logs into their staging folders in the run store while they run
 (``.04-megatron-train.partial-<host>-<pid>-<nonce>/train.log``), into their step folders once
-committed, or keep them in ``live/`` when stopped (``crossalign.tasks.stop``). The live
+committed, or keep them in ``live/`` when stopped (``crossalign.stop``). The live
 comparison reads from wherever the log is now, only the complete lines (a line being written is
 read on the next look), and judges what both sides logged so far with the comparison of step 6
 (``build_summary``: the same parsers, the same metrics, whatever co-movement statistic it uses).
@@ -22,11 +22,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from crossalign.logs import LogFormatError, parse_log_text
-from crossalign.report.compare import DAG_LOG_INTERVAL, CompareOptions, Summary, build_summary, options_from_config
+from crossalign.sides.log_common import LogFormatError
+from crossalign.logs import parse_log_text
+from crossalign.report.compare import DAG_LOG_INTERVAL, CompareOptions, build_summary, options_from_config
+from crossalign.report.summary import Summary
 from crossalign.report.metrics import MEAN_LIMIT, STEP1_LIMIT
 from crossalign.store import Run, step_spec
-from crossalign.tasks.stop import kept_log_path
+from crossalign.stop import kept_log_path
 
 SIDES = {"gpu": "megatron-train", "npu": "pynative-train"}  # the comparison's sides and the steps that log them
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from crossalign.backends.base import StepCallback
+from crossalign.sides.protocol import StepCallback
 from crossalign.site import SiteConfig
 from crossalign.store import Run, step_spec
 from crossalign.tasks.base_train import base_train

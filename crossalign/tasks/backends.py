@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from crossalign.backends.base import TrainBackend
+from crossalign.sides.protocol import TrainBackend
 from crossalign.site import FrameworkSite, SiteConfig, SiteError
 
 TrainingPool = Literal["npu", "gpu"]
@@ -21,19 +21,19 @@ TrainingPool = Literal["npu", "gpu"]
 def training_backend(pool: TrainingPool, site: SiteConfig) -> TrainBackend:
     kind = site.backends.get(pool, "local")
     if pool == "npu" and kind == "local":
-        from crossalign.backends.local.ms_trainer import LocalMindFormersBackend
+        from crossalign.sides.mindformers.embedded.trainer import LocalMindFormersBackend
 
         return LocalMindFormersBackend()
     if pool == "gpu" and kind == "local":
-        from crossalign.backends.local.mcore_trainer import LocalMegatronBackend
+        from crossalign.sides.megatron.embedded.trainer import LocalMegatronBackend
 
         return LocalMegatronBackend()
     if pool == "npu" and kind == "mindformers":
-        from crossalign.backends.mindformers import MindFormersBackend
+        from crossalign.sides.mindformers.backend import MindFormersBackend
 
         return MindFormersBackend(site, **_runner(site, site.mindformers))
     if pool == "gpu" and kind == "megatron":
-        from crossalign.backends.megatron import MegatronBackend
+        from crossalign.sides.megatron.backend import MegatronBackend
 
         return MegatronBackend(site, **_runner(site, site.megatron))
     raise SiteError(f"backends.{pool}: {kind!r} cannot train on the {pool} pool")

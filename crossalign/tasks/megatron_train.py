@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from crossalign.backends.base import StepCallback
+from crossalign.sides.protocol import StepCallback
 from crossalign.site import SiteConfig
 from crossalign.store import Run
 from crossalign.tasks.training import train_step

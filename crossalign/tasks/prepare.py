@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import crossalign
-from crossalign.backends.base import DatasetFiles
+from crossalign.data.files import DatasetFiles
 from crossalign.config import AlignmentConfig, load_config, resolve_config_path
 from crossalign.store import Run, RunStore, StoreError, dataset_fingerprint, new_run_id, sha256_file
 

@@ -1,7 +1,7 @@
 """What the three training steps share: build the request, pick the backend, commit log and checkpoint.
 
 The two alignment trainings (steps 4 and 5) honour a stop request of the live comparison before
-they start and after every iteration (``crossalign.tasks.stop``); a training that ends without
+they start and after every iteration (``crossalign.stop``); a training that ends without
 committing keeps its log in the run's ``live/`` folder.
 """
 
@@ -10,15 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from crossalign.backends.base import Mode, Side, StepCallback, TrainRequest
+from crossalign.sides.protocol import Mode, SideName, StepCallback, TrainRequest
 from crossalign.site import SiteConfig
 from crossalign.store import Run
 from crossalign.tasks.backends import TrainingPool, training_backend
 from crossalign.tasks.command import step_command
-from crossalign.tasks.stop import STOPPABLE, check_stop, keep_log, stopping
+from crossalign.stop import STOPPABLE, check_stop, keep_log, stopping
 
 
-def train_step(run: Run, step: str, *, pool: TrainingPool, side: Side, mode: Mode, site: SiteConfig,
+def train_step(run: Run, step: str, *, pool: TrainingPool, side: SideName, mode: Mode, site: SiteConfig,
                init_checkpoint: Path | None, save: bool, on_step: StepCallback | None) -> dict[str, Any]:
     backend = training_backend(pool, site)
     stoppable = step in STOPPABLE

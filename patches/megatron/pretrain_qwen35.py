@@ -11,14 +11,14 @@ built from the model's last layer (full attention, since ``linear_attention_freq
   ``_get_self_attention_module_spec``, ``_get_dense_mlp_module_spec``, ``_get_moe_module_spec``),
   composed as ``get_transformer_block_with_experimental_attention_variant_spec`` composes them,
   so the decoder is the one stock ``pretrain_gpt.py`` builds;
-- crossalign's embedded CPU backend and selfcheck (``crossalign/backends/local/mcore_model.py``
+- crossalign's embedded CPU backend and selfcheck (``crossalign/sides/megatron/embedded/mcore_model.py``
   loads this file), with megatron-core's local modules (``use_te=False``). That upstream block
   function asserts TransformerEngine (its ``_get_backend_spec_provider``, core 0.16.1 to 0.19.0),
   and its GDN spec asks the backend for a fused norm+linear that the local provider lacks
   (``column_parallel_layer_norm_linear()`` is None), so there the GDN ``in_proj`` is a
   ``ColumnParallelLinear`` after a separate input norm and the attention is
   ``get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")``'s. The parameters are
-  the TE ones under other names (norms not fused): ``crossalign/checkpoint/te_local.py`` maps them.
+  the TE ones under other names (norms not fused): ``crossalign/sides/megatron/te_local.py`` maps them.
 So the layer specs a GPU run builds are the ones the CPU tests built and trained.
 
 What the launcher changes in Megatron, and why. Stock ``gpt_builders.gpt_builder`` (core 0.16.0
@@ -211,7 +211,7 @@ DIGEST_ENV = "CROSSALIGN_LOAD_DIGEST_DIR"
 
 
 def tensor_sha256(tensor) -> str:
-    """sha256 of a tensor's bytes in its own dtype, C order (crossalign/checkpoint/digest.py hashes the same way)."""
+    """sha256 of a tensor's bytes in its own dtype, C order (crossalign/tensorio/digest.py hashes the same way)."""
     import hashlib
 
     import torch

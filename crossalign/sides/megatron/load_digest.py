@@ -1,0 +1,60 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+
+from crossalign.config import AlignmentConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+
+LOAD_DIGEST_DIR = "load_digest"  # the launcher's record of what each rank loaded (CROSSALIGN_LOAD_DIGEST_DIR)
+
+
+def _rank_state(directory: Path, rank: str) -> dict[str, torch.Tensor]:
+    """One ``mp_rank_*`` folder's model tensors, as its file holds them (``_extra_state`` left out)."""
+    import torch
+
+    from crossalign.sides.megatron.checkpoint import MODEL_FILE
+
+    model = torch.load(directory / rank / MODEL_FILE, map_location="cpu", weights_only=True)["model"]
+    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+
+def verify_load_digest(digest_dir: Path, checkpoint: Path, config: AlignmentConfig) -> int:
+    """Hold the launcher's load digest (one file per checkpoint folder a rank loads) against the checkpoint.
+
+    The folders held are those the config's Megatron layout loads (``loaded_rank_folders``): a
+    folder no rank reads is not asked for. The model's names may be megatron-core's local-module
+    ones (a CPU rehearsal): they are mapped to the TE names (``te_local.py``); stacked routed experts
+    are split per expert, as TE's load hook splits them. Raises :class:`LoadDigestError` naming every
+    missing, extra, renamed or different tensor; returns how many tensors were verified.
+    """
+    from crossalign.tensorio.digest import LoadDigestError, compare_loaded, read_digest, split_stacked_experts
+    from crossalign.sides.megatron.checkpoint import MODEL_FILE, find_iteration_dir, loaded_rank_folders
+    from crossalign.sides.megatron.te_local import local_to_te_names
+
+    names = local_to_te_names(config.model, config.training.megatron_core_version)
+    layout = config.parallel.megatron
+    directory, _ = find_iteration_dir(checkpoint)
+    verified = 0
+    for rank in loaded_rank_folders(layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor_size,
+                                    layout.world_size):
+        if not (directory / rank / MODEL_FILE).exists():
+            raise LoadDigestError(f"{directory / rank / MODEL_FILE}: the checkpoint {checkpoint} has no file for "
+                                  f"rank {rank}, which the layout {layout.ranks} loads")
+        path = digest_dir / f"{rank}.json"
+        if not path.exists():
+            raise LoadDigestError(f"{path}: Megatron wrote no load digest for rank {rank} of {checkpoint} "
+                                  f"(patches/megatron/pretrain_qwen35.py writes it after loading)")
+        state = split_stacked_experts(_rank_state(directory, rank), config.model.num_experts)
+        loaded = read_digest(path)
+        compare_loaded(loaded, state, what=f"Megatron rank {rank} ({path}) vs the checkpoint {checkpoint}",
+                       rename=lambda name: names.get(name, name))
+        verified += len(loaded)
+    return verified
