@@ -15,6 +15,10 @@ from crossalign.sides.log_common import LogFormatError, read_log_text
 from crossalign.sides.megatron.log_parser import ITERATION_RE, parse_megatron_log, parse_megatron_text
 from crossalign.sides.mindformers.log_parser import GRAPH_RE, PYNATIVE_RE, parse_mindformers_log, parse_mindformers_text
 
+# each log format as people name it
+FORMAT_NAMES = {"megatron": "Megatron", "mindformers-pynative": "MindFormers (pynative)",
+                "mindformers-graph": "MindFormers (graph mode)"}
+
 __all__ = ["LogFormatError", "detect_format", "parse_log", "parse_log_text", "parse_megatron_log",
            "parse_mindformers_log"]
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from crossalign.logs import FORMAT_NAMES
 from crossalign.report.metrics import STEP1_LIMIT, LrCheck, SeriesMetrics
+from crossalign.sides.registry import SIDES
 
-SIDE_FORMATS = {"npu": ("mindformers-pynative", "mindformers-graph"), "gpu": ("megatron",)}
-FRAMEWORK = {"megatron": "Megatron", "mindformers-pynative": "MindFormers (pynative)",
-             "mindformers-graph": "MindFormers (graph mode)"}
+SIDE_FORMATS = {side.pool: side.log_formats for side in SIDES.values()}  # the comparison's sides are pools
 OPTION = {"npu": "--npu-log", "gpu": "--gpu-log"}
 # Step-1 lm losses this far apart (relative) come from different models or weights: a conversion fault of
 # the kind SPEC names is about 5% at step 1, two different first batches a few percent.
@@ -41,7 +41,7 @@ def same_log(npu: pd.DataFrame, gpu: pd.DataFrame) -> str | None:
     if npu.attrs["format"] == gpu.attrs["format"] and set(npu.attrs["logged"]) == set(gpu.attrs["logged"]):
         columns = ["step", *sorted(npu.attrs["logged"])]
         if npu[columns].reset_index(drop=True).equals(gpu[columns].reset_index(drop=True)):
-            framework = FRAMEWORK.get(npu.attrs["format"], npu.attrs["format"])
+            framework = FORMAT_NAMES.get(npu.attrs["format"], npu.attrs["format"])
             return (f"both sides are the same log: {paths[0]} and {paths[1]} hold the same {framework} records, "
                     "so they agree by construction")
     return None
@@ -56,7 +56,7 @@ def check_formats(npu: pd.DataFrame, gpu: pd.DataFrame, allow_any_format: bool =
              if frame.attrs["format"] not in SIDE_FORMATS[side]}
     if not wrong:
         return
-    words = [f"{OPTION[side]} {frame.attrs['path']} is a {FRAMEWORK.get(frame.attrs['format'], frame.attrs['format'])}"
+    words = [f"{OPTION[side]} {frame.attrs['path']} is a {FORMAT_NAMES.get(frame.attrs['format'], frame.attrs['format'])}"
              f" log, the {'GPU' if side == 'npu' else 'NPU'} side's format" for side, frame in wrong.items()]
     fix = "the sides look swapped: exchange --npu-log and --gpu-log" if len(wrong) == 2 else (
         "the NPU side is MindFormers' log and the GPU side Megatron's")

@@ -1,49 +1,46 @@
-"""TODO docstring."""
+"""What a real Megatron run's log must show: its progress lines, a checkpoint that loaded, every iteration."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 
 from crossalign.sides.launch import (
     BackendRunError,
     failure_summary,
     missing_steps,
 )
-
-if TYPE_CHECKING:
-    pass
-
+from crossalign.sides.log_common import LogFormatError
+from crossalign.sides.megatron.log_parser import parse_megatron_text
 
 
 ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
-_FIELD = re.compile(r"\|\s*([A-Za-z_0-9 ()/]+?):\s*([-+0-9.eEnaNinf]+)\s*(?=\|)")
 # What Megatron prints when its strict load raised and it loaded again non-strictly: always
 # "load_return: None", since the DDP and Float16Module wrappers drop load_state_dict's result
 # (core_v0.16.1 megatron/training/checkpointing.py:1759-1767, data_parallel_base.py:90-96,
 # module.py:511-514; seen in the rehearsal's run of pretrain()). It names no key: the load digest does.
 NON_STRICT_LOAD = re.compile(r"^load_return: (.*)$")
-METRIC_NAMES = {"lm loss": "lm_loss", "learning rate": "lr", "grad norm": "grad_norm",
-                "load_balancing_loss": "aux_loss", "elapsed time per iteration (ms)": "step_time_ms"}
+PROGRESS_METRICS = ("lm_loss", "aux_loss", "lr", "grad_norm", "step_time_ms")
 
 
 def parse_iteration_line(line: str) -> tuple[int, int, dict[str, float]] | None:
-    """(iteration, total, metrics) of a Megatron ``training_log`` line, for progress; None for other lines."""
+    """(iteration, total, metrics) of a Megatron ``training_log`` line, for progress; None for other lines.
+
+    The line is read by the log parser (``log_parser.py``), so progress, the log check and the comparison
+    accept the same lines, and the metrics are the parser's columns as printed (never corrected).
+    """
     match = ITERATION_LINE.search(line)
     if not match:
         return None
-    metrics: dict[str, float] = {}
-    for name, value in _FIELD.findall(line + "|"):
-        name = name.strip()
-        key = METRIC_NAMES.get(name) or (name.replace(" loss", "_loss") if name.startswith("mtp_") else None)
-        if key:
-            try:
-                metrics[key] = float(value)
-            except ValueError:
-                continue
-    return int(match.group(1)), int(match.group(2)), metrics
+    try:
+        frame = parse_megatron_text(Path("<line>"), line + "\n", core_version=None)
+    except LogFormatError:
+        return None
+    row = frame.iloc[-1]
+    names = [name for name in frame.columns if name in PROGRESS_METRICS or re.fullmatch(r"mtp_\d+_loss", name)]
+    metrics = {name: float(row[name]) for name in names if not math.isnan(row[name])}
+    return int(row["step"]), int(match.group(2)), metrics
 
 
 def verify_megatron_log(log_path: Path, *, iterations: int, loaded: bool, exit_status: int) -> str | None:
