@@ -1,10 +1,13 @@
-"""TODO docstring."""
+"""The ``pretrain_gpt.py`` arguments of a model config (SPEC section 8): everything Megatron is told.
+
+Everything comes from the model config, so it cannot drift from the MindFormers YAML built from the same
+file; ``crossalign preflight config`` reads both back (``args_reader.py``) and compares them.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 
 from crossalign.sides.launch import (
@@ -15,8 +18,6 @@ from crossalign.patching import parse_version
 from crossalign.data.settings import SampleOrderSettings
 from crossalign.config import TrainingConfig
 
-if TYPE_CHECKING:
-    pass
 
 
 

@@ -1,6 +1,6 @@
 """The real GPU side: Megatron-LM (TransformerEngine) trained from a converted checkpoint.
 
-Everything Megatron is told comes from the model config through :func:`megatron_args` (SPEC
+Everything Megatron is told comes from the model config through ``args.megatron_args`` (SPEC
 section 8), so it cannot drift from the MindFormers YAML built from the same file; ``crossalign
 preflight config`` reads both back and compares them.
 
@@ -15,11 +15,10 @@ in ``patches/megatron/mtp_gdn.yaml``):
 - 0.19.0 and later: upstream builds it that way; the launcher still runs, for the load digest.
 
 The run's exit status is never trusted alone: Megatron exits 0 after a checkpoint it could not
-unpickle, so the log is read after the run (:func:`verify_megatron_log`); and it carries on with
+unpickle, so the log is read after the run (``log_checks.py``); and it carries on with
 random weights after a non-strict load, printing only ``load_return: None``, so the launcher
 records what the model holds after loading and the step holds it against the checkpoint
-(:func:`verify_load_digest`). ``crossalign rehearse`` runs this same launch on a CPU
-(``crossalign/rehearsal/``).
+(``load_digest.py``). ``crossalign rehearse`` runs this same launch on a CPU (``rehearsal.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ import subprocess
 import time
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from packaging.specifiers import SpecifierSet
 
@@ -49,8 +48,6 @@ from crossalign.sides.megatron.args import megatron_args
 from crossalign.sides.megatron.log_checks import parse_iteration_line, verify_megatron_log
 from crossalign.sides.megatron.load_digest import LOAD_DIGEST_DIR, verify_load_digest
 
-if TYPE_CHECKING:
-    pass
 
 LAUNCHER = PATCH_DIR / "megatron" / "pretrain_qwen35.py"
 RUN_SCRIPT = "run_megatron.sh"

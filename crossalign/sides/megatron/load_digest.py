@@ -1,4 +1,10 @@
-"""TODO docstring."""
+"""What each Megatron rank really loaded, held against the checkpoint it was given.
+
+Megatron carries on with random weights after a non-strict load, printing only ``load_return: None``
+(SPEC section 4), so crossalign's launcher (``patches/megatron/pretrain_qwen35.py``) records what every
+rank's model holds right after loading (``CROSSALIGN_LOAD_DIGEST_DIR``), and the step holds each record
+against the rank's own file of the checkpoint (:func:`verify_load_digest`).
+"""
 
 from __future__ import annotations
 

@@ -1,52 +1,14 @@
 """The real NPU side: MindFormers in pynative mode (``run_mindformer.py --mode 1``).
 
-:func:`mindformers_yaml` turns the model config into the pynative ``TrainConfig`` YAML (SPEC
-section 8; schema in reference/mindformers.md 2b) for the base run (DAG step 1: random init,
-save) and the alignment run (step 5: load the bf16 checkpoint). Settings that change numbers
-are written explicitly even where they equal a MindFormers default, so that ``crossalign
-preflight config`` can read them back and the YAML documents the run by itself.
-
-The ``model`` section uses only keys that MindFormers' config converter reads. The pynative
-models convert their config with ``ConfigConverter`` (``mindformers/parallel_core/config_converter.py``,
-r1.9.0, r2.0.0 and master): a key is read when a ``CONFIG_MAPPING`` of the model's converter
-maps it (Qwen3: ``head_dim``, ``num_hidden_layers``, ``rms_norm_eps``, ``rope_theta``, ...) or
-when it is a ``TransformerConfig`` field of the same name; any other key is dropped with only an
-"Unmapped Keys" warning (config_converter.py:97-101). So the router's score function is written
-``moe_router_score_function`` (``scoring_func`` is dropped), and ``normalization: RMSNorm`` and
-``gated_linear_unit: true`` are always written (TransformerConfig's defaults are LayerNorm and
-no GLU; only Qwen3's config class registers the right ones).
-
-Public MindFormers has no Qwen3.5 model, and its TransformerConfig has no ``attention_output_gate``
-and none of the six ``linear_*`` GatedDeltaNet fields: a site's fork must add them (they are
-written here under Megatron's names). Because a dropped key only warns, the step reads back the
-"The final converted TransformerConfig is:" block the converter logs (config_converter.py:108-112)
-and fails, naming the setting, when a number-changing setting is missing or different
-(:func:`verify_transformer_config`). A fork that needs other keys gets them through
-``request.extra["mindformers_model"]``, merged over the generated section.
-
-What the step checks does not rest on MindFormers' load messages: ``load_checkpoint`` loads only the
-network's own names and never reports a checkpoint tensor the network lacks (2.1.0
-``checkpoint/checkpoint.py: load_checkpoint``, its ``filter_func``), so a network built without its
-shared experts would load "completely" and drop their weights. The converted-config readback
-(``shared_expert_num`` included) and the built-model line (:func:`verify_built_model`) say the network
-is the one the config describes; "Network parameters not loaded" still fails the run. And with the
-mindformers-load-digest patch the trainer records every parameter it holds right after the load, before
-the first step (``CROSSALIGN_LOAD_DIGEST_DIR``, one file per rank), which the align run holds against the
-checkpoint it gave (:func:`verify_load_digest`): a missing, extra, renamed or different tensor fails the
-step, named. Releases before
-2.0.0 are refused (``training.mindformers_version``): r1.9.0's TrainConfig rejects the generated
-parallelism and recompute keys and its LossCallback logs neither the MTP nor the aux loss.
-
-The log: LossCallback lines go to stdout (captured line by line into ``train.log``) and to
-``<LOG_MF_PATH>/rank_<r>/info.log``; the run script points LOG_MF_PATH into the step folder.
-With several cards msrun tails the last worker's log to stdout.
+The run script (``run_mindformers.sh``, kept in the step folder) launches ``run_mindformer.py`` (msrun for
+several cards) with the YAML of ``yaml.py``; afterwards the log is judged (``log_checks.py``), never the exit
+status alone, and what the network loaded is held against the checkpoint (``load_digest.py``).
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 
 from crossalign.sides.protocol import TrainRequest, TrainResult
@@ -62,8 +24,6 @@ from crossalign.sides.mindformers.yaml import dump_yaml, mindformers_yaml
 from crossalign.sides.mindformers.log_checks import parse_step_line, verify_built_model, verify_mindformers_log, verify_transformer_config
 from crossalign.sides.mindformers.load_digest import LOAD_DIGEST_DIR, LOAD_DIGEST_ENV, verify_load_digest
 
-if TYPE_CHECKING:
-    pass
 
 RUN_SCRIPT = "run_mindformers.sh"
 DETERMINISTIC_ENV = {"HCCL_DETERMINISTIC": "true", "ASCEND_LAUNCH_BLOCKING": "1"}

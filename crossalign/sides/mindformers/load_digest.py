@@ -1,17 +1,28 @@
-"""TODO docstring."""
+"""What the MindFormers network held right after its load, held against the checkpoint it was given.
+
+What the step checks does not rest on MindFormers' load messages: ``load_checkpoint`` loads only the
+network's own names and never reports a checkpoint tensor the network lacks (2.1.0
+``checkpoint/checkpoint.py: load_checkpoint``, its ``filter_func``), so a network built without its
+shared experts would load "completely" and drop their weights. The converted-config readback
+(``shared_expert_num`` included) and the built-model line (:func:`verify_built_model`) say the network
+is the one the config describes; "Network parameters not loaded" still fails the run. And with the
+mindformers-load-digest patch the trainer records every parameter it holds right after the load, before
+the first step (``CROSSALIGN_LOAD_DIGEST_DIR``, one file per rank), which the align run holds against the
+checkpoint it gave (:func:`verify_load_digest`): a missing, extra, renamed or different tensor fails the
+step, named. Releases before
+2.0.0 are refused (``training.mindformers_version``): r1.9.0's TrainConfig rejects the generated
+parallelism and recompute keys and its LossCallback logs neither the MTP nor the aux loss.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 
 from crossalign.config import AlignmentConfig
 
-if TYPE_CHECKING:
-    pass
 
 
 

@@ -1,4 +1,15 @@
-"""TODO docstring."""
+"""What a real MindFormers run printed: the network it built from the YAML, and a LossCallback line for every step.
+
+A dropped YAML key only warns, so the "The final converted TransformerConfig is:" block the converter logs
+(config_converter.py:108-112) is read back (:func:`verify_transformer_config`) and a number-changing setting
+that is missing or different fails the step, named; the built-model line (:func:`verify_built_model`) says
+the network has the partial rotary factor of the config.
+
+The log: LossCallback lines go to stdout (captured line by line into ``train.log``) and to
+``<LOG_MF_PATH>/rank_<r>/info.log``; the run script points LOG_MF_PATH into the step folder.
+With several cards msrun tails the last worker's log to stdout.
+
+"""
 
 from __future__ import annotations
 

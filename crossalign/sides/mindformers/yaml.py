@@ -1,9 +1,34 @@
-"""TODO docstring."""
+"""The pynative ``TrainConfig`` YAML MindFormers is launched with, written from the model config.
+
+:func:`mindformers_yaml` turns the model config into the pynative ``TrainConfig`` YAML (SPEC
+section 8; schema in reference/mindformers.md 2b) for the base run (DAG step 1: random init,
+save) and the alignment run (step 5: load the bf16 checkpoint). Settings that change numbers
+are written explicitly even where they equal a MindFormers default, so that ``crossalign
+preflight config`` can read them back and the YAML documents the run by itself.
+
+The ``model`` section uses only keys that MindFormers' config converter reads. The pynative
+models convert their config with ``ConfigConverter`` (``mindformers/parallel_core/config_converter.py``,
+r1.9.0, r2.0.0 and master): a key is read when a ``CONFIG_MAPPING`` of the model's converter
+maps it (Qwen3: ``head_dim``, ``num_hidden_layers``, ``rms_norm_eps``, ``rope_theta``, ...) or
+when it is a ``TransformerConfig`` field of the same name; any other key is dropped with only an
+"Unmapped Keys" warning (config_converter.py:97-101). So the router's score function is written
+``moe_router_score_function`` (``scoring_func`` is dropped), and ``normalization: RMSNorm`` and
+``gated_linear_unit: true`` are always written (TransformerConfig's defaults are LayerNorm and
+no GLU; only Qwen3's config class registers the right ones).
+
+Public MindFormers has no Qwen3.5 model, and its TransformerConfig has no ``attention_output_gate``
+and none of the six ``linear_*`` GatedDeltaNet fields: a site's fork must add them (they are
+written here under Megatron's names). Because a dropped key only warns, the step reads back the
+"The final converted TransformerConfig is:" block the converter logs (config_converter.py:108-112)
+and fails, naming the setting, when a number-changing setting is missing or different
+(``log_checks.verify_transformer_config``). A fork that needs other keys gets them through
+``request.extra["mindformers_model"]``, merged over the generated section.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import yaml
 
@@ -15,8 +40,6 @@ from crossalign.sides.mindformers.log_lines import mindformers_scales_mtp_loss
 from crossalign.data.settings import SampleOrderSettings
 from crossalign.config import TrainingConfig
 
-if TYPE_CHECKING:
-    pass
 
 
 
@@ -124,7 +147,7 @@ def mindformers_yaml(
     ``parallelism`` section is the config's ``parallel.mindformers`` (``nproc`` cards in place of
     its cards when given); the cards it leaves run data parallel (``data_parallel_shard: -1``).
     """
-    m, t, layout = config.model, config.training, config.parallel.mindformers
+    t, layout = config.training, config.parallel.mindformers
     cards = nproc or layout.world_size
     if mode not in ("base", "align"):
         raise ValueError(f"mode must be 'base' or 'align', not {mode!r}")
