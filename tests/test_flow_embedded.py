@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import pynative_writing_pid
-from crossalign.store import MANIFEST, STEP_NAMES, RunStore, sha256_file
+from crossalign.dag import STEP_NAMES
+from crossalign.store import MANIFEST, RunStore, sha256_file
 
 pytestmark = pytest.mark.slow
 
