@@ -15,7 +15,8 @@ import yaml
 
 from crossalign.config import ConfigError, OverrideError, parse_override
 from crossalign.dag import HF_IMPORT, STEP_NAMES, STEPS
-from crossalign.flows.launch import STEP_FLOW, classify, deployment_name
+from crossalign.flows.launch import (STEP_FLOW, STEP_FLOW_ENTRYPOINT, classify, deployment_name,
+                                    missing_step_deployments)
 from crossalign.flows.retry import backoff_delays, retry_on_infrastructure
 from crossalign.request import RunRequest
 from crossalign.tasks.errors import (
@@ -98,6 +99,11 @@ def test_prefect_yaml_routes_every_step_to_its_pool():
         assert entry["work_pool"]["name"] == step.pool and entry["parameters"] == {"step": step.name}, entry
     assert sorted(name for name in deployments if name.startswith(f"{STEP_FLOW}/")) == sorted(
         deployment_name(step) for step in (*STEPS, HF_IMPORT)), "no step deployment the table does not name"
+    assert import_object(STEP_FLOW_ENTRYPOINT).name == STEP_FLOW
+    assert missing_step_deployments(spec["deployments"]) == []
+    without_convert = [entry for entry in spec["deployments"] if entry["name"] != "convert"]
+    assert missing_step_deployments(without_convert) == [
+        "step/convert on the cpu pool with parameters {step: convert}"], "what `crossalign deploy` refuses"
     for parent in ("alignment/dense", "alignment/moe", "alignment/dense-tiny", "alignment/moe-tiny",
                    "rerun/rerun", "nightly/nightly"):
         assert deployments[parent]["work_pool"]["name"] == "orchestrator"

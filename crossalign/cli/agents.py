@@ -117,9 +117,15 @@ def deploy_command(prefect_file: Path = typer.Option(Path("prefect.yaml"), "--pr
 
     url = server_url(required=True, site_file=site_file or site_path())
     quiet_prefect(verbose=True)
+    from crossalign.flows.launch import missing_step_deployments  # with Prefect, once its settings are made
+
+    deployments = (yaml.safe_load(prefect_file.read_text()).get("deployments") or []) if prefect_file.exists() else []
     with user_errors(FileNotFoundError, DeployError):
+        missing = missing_step_deployments(deployments)
+        if missing:  # every run would fail at a step without its deployment
+            raise DeployError(f"{prefect_file} lacks deployments the step table (crossalign/dag.py) needs: "
+                              + "; ".join(missing))
         deploy(prefect_file)
-    deployments = yaml.safe_load(prefect_file.read_text()).get("deployments", [])
     ui = url.rstrip("/").removesuffix("/api")
     console.print(f"deployed {len(deployments)} deployments of {prefect_file} to {ui}; a flow run silent for "
                   f"{DEFAULT_ZOMBIE_AFTER_S} s (its machine died) is marked Crashed and its step retried",

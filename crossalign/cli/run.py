@@ -153,12 +153,15 @@ def run_flow(resolved, verbose: bool) -> int:
     request = resolved.request
     server_url(required=request.mode == "distributed")
     quiet_prefect(verbose)
-    from crossalign.dag import STEPS  # imported when run, with Prefect: keeps crossalign --help fast
+    from crossalign.dag import STEPS, step_for  # imported when run, with Prefect: keeps crossalign --help fast
     from crossalign.flows.alignment import alignment
     from crossalign.request import handing_over
 
-    console.print(f"run [bold]{resolved.run_id}[/] ({request.mode}) in {request.store}", highlight=False)
-    with RunDisplay(resolved.run_id, STEPS) as display, listening(display.handle), handing_over(resolved):
+    store, run_id = resolved.store, resolved.run_id
+    start = resolved.start or (store.run(run_id).start if store.exists(run_id) else {})
+    console.print(f"run [bold]{run_id}[/] ({request.mode}) in {store.root}", highlight=False)
+    steps = [step_for(spec.name, start) for spec in STEPS]  # as this run carries them out (pools)
+    with RunDisplay(run_id, steps) as display, listening(display.handle), handing_over(resolved):
         state = alignment(**request.form(), return_state=True)
     return finish(state, resolved)
 

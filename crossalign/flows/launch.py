@@ -24,7 +24,7 @@ from prefect.exceptions import PrefectHTTPStatusError
 from prefect.states import Cancelling
 
 from crossalign.agents.runner import run_streaming
-from crossalign.dag import StepSpec
+from crossalign.dag import HF_IMPORT, STEPS, StepSpec
 from crossalign.flows.reporting import StepReporter
 from crossalign.site import SiteConfig
 from crossalign.store import Run
@@ -33,7 +33,8 @@ from crossalign.tasks.command import step_argv
 from crossalign.tasks.errors import InfrastructureError, StepFailed, exit_code_error
 
 LATE_WARNING_S = 60.0
-STEP_FLOW = "step"  # the one flow that carries out any step (crossalign.flows.steps), deployed once per step
+STEP_FLOW = "step"  # the one flow that carries out any step, deployed once per step
+STEP_FLOW_ENTRYPOINT = "crossalign.flows.steps:step_flow"
 
 
 def step_log_path(run: Run, step: str):
@@ -87,6 +88,15 @@ def step_timeout(run: Run, step: str, site: SiteConfig) -> float:
 def deployment_name(spec: StepSpec) -> str:
     """``<flow>/<deployment>`` of the deployment in prefect.yaml that carries ``spec`` out on its pool."""
     return f"{STEP_FLOW}/{spec.deployment}"
+
+
+def missing_step_deployments(deployments: list[dict[str, Any]]) -> list[str]:
+    """The step deployments the step table needs that a prefect.yaml's ``deployments`` lack: one of the step flow
+    per way of carrying a step out, named as the table says, on its pool, with its step as parameter."""
+    found = {(entry.get("name"), (entry.get("work_pool") or {}).get("name"), (entry.get("parameters") or {}).get("step"))
+             for entry in deployments if entry.get("entrypoint") == STEP_FLOW_ENTRYPOINT}
+    return [f"{deployment_name(spec)} on the {spec.pool} pool with parameters {{step: {spec.name}}}"
+            for spec in (*STEPS, HF_IMPORT) if (spec.deployment, spec.pool, spec.name) not in found]
 
 
 def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_interval: float = 0.5,
