@@ -68,7 +68,8 @@ def stored_verdict(run) -> tuple[str | None, str | None]:
         return "fail", store_url(report_url, run.store.root, stopped) or str(stopped)
     folder = run.step_dir("compare")
     details = run.manifest("compare")["details"]
-    reports = sorted(folder.rglob("report.html")) or sorted(folder.rglob("report.md")) or [folder / details["summary"]]
+    reports = sorted(folder.rglob("report.html")) or sorted(folder.rglob("report.md")) \
+        or [folder / details.get("summary", "summary.json")]
     return details.get("verdict"), store_url(report_url, run.store.root, reports[0]) or str(reports[0])
 
 
