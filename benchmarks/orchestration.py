@@ -43,11 +43,13 @@ TARGET_S = 5.0
 
 def by_hand(store: Path, run_id: str, overrides: list[str], site: Path) -> dict[str, float]:
     """Each step as its own process, started as soon as the steps it reads from have exited, as the flow does."""
-    from crossalign.store import STEPS, RunStore
+    from crossalign.dag import STEPS
+    from crossalign.request import RunRequest
     from crossalign.tasks.command import step_argv
     from crossalign.tasks.prepare import prepare_run
 
-    prepare_run(RunStore(store), CONFIG, run_id=run_id, overrides=overrides, mode="distributed")
+    prepare_run(RunRequest(config=CONFIG, run_id=run_id, overrides=overrides, store=str(store),
+                           mode="distributed").resolve())
     seconds: dict[str, float] = {}
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     while len(seconds) < len(STEPS):
@@ -74,7 +76,7 @@ def through_deployments(store: Path, run_id: str, overrides: list[str]) -> dict[
                                                 TaskRunFilter, TaskRunFilterFlowRunId)
     from prefect.deployments import run_deployment
 
-    from crossalign.store import STEP_NAMES
+    from crossalign.dag import STEP_NAMES
 
     parent = run_deployment("alignment/dense", timeout=900, poll_interval=1, parameters={
         "config": CONFIG, "run_id": run_id, "overrides": overrides, "store": str(store)})

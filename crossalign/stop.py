@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from crossalign.dag import COMPARED
 from crossalign.sides.protocol import StepCallback
 from crossalign.store import Run, now_iso, read_json, write_json_atomic
 
@@ -33,7 +34,7 @@ STOP_FILE = "stop.json"
 HOLD_FILE = "hold.json"
 HOLD_MAX_S = 1800.0  # a side never waits longer than this for the other side's step 1
 HOLD_POLL_S = 0.2
-STOPPABLE = ("megatron-train", "pynative-train")  # the two sides of the comparison
+STOPPABLE = tuple(spec.name for spec in COMPARED)  # the two sides of the comparison
 
 
 class TrainingStopped(RuntimeError):

@@ -15,7 +15,8 @@ looks complete. A step is done iff its manifest exists, its input digests still 
 outputs still have the sizes the manifest lists (their sha256 too, when the orchestrator asks on a
 retry or a rerun): the digest of an upstream step is the sha256 of that step's manifest (which
 lists the sha256 of every output), never of the multi-GB files themselves. Re-running an upstream
-step therefore makes everything downstream stale without touching it.
+step therefore makes everything downstream stale without touching it. The steps, their folders and
+what each reads are the DAG's table (``crossalign.dag``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from crossalign.data.files import DatasetFiles
 from crossalign.config import AlignmentConfig
+from crossalign.dag import STEP_NAMES, StepSpec, downstream, step_for, step_spec
+from crossalign.data.files import DatasetFiles
 
 MANIFEST = "manifest.json"
 RUN_INFO = "run.json"
@@ -52,51 +54,6 @@ class StepNotReady(StoreError):
 
 class StaleInputs(StoreError):
     """An input of a step changed while the step ran; its outputs would describe old inputs."""
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """One node of the DAG: its name, position, the pool that runs it and what it reads."""
-
-    name: str
-    index: int
-    pool: Literal["npu", "cpu", "gpu"]
-    inputs: tuple[str, ...]
-    uses_dataset: bool = False
-    title: str = ""
-
-    @property
-    def dirname(self) -> str:
-        return f"{self.index:02d}-{self.name}"
-
-
-STEPS: tuple[StepSpec, ...] = (
-    StepSpec("base-train", 1, "npu", (), uses_dataset=True, title="base train (MindFormers)"),
-    StepSpec("cast-bf16", 2, "cpu", ("base-train",), title="cast to bf16"),
-    StepSpec("convert", 3, "cpu", ("cast-bf16",), title="convert MindSpore -> Megatron"),
-    StepSpec("megatron-train", 4, "gpu", ("convert",), uses_dataset=True, title="Megatron train"),
-    StepSpec("pynative-train", 5, "npu", ("cast-bf16",), uses_dataset=True, title="MindFormers pynative train"),
-    StepSpec("compare", 6, "cpu", ("megatron-train", "pynative-train"), title="compare losses"),
-)
-STEP_NAMES: tuple[str, ...] = tuple(s.name for s in STEPS)
-_BY_NAME = {s.name: s for s in STEPS}
-
-
-def step_spec(name: str) -> StepSpec:
-    """The step called ``name`` (also accepts its folder name, ``03-convert``)."""
-    for spec in STEPS:
-        if name in (spec.name, spec.dirname):
-            return spec
-    raise StoreError(f"unknown step {name!r} (steps: {', '.join(STEP_NAMES)})")
-
-
-def downstream(name: str) -> list[str]:
-    """``name`` and every step that reads from it, directly or not, in DAG order."""
-    affected = {step_spec(name).name}
-    for spec in STEPS:  # STEPS is topologically ordered
-        if affected.intersection(spec.inputs):
-            affected.add(spec.name)
-    return [s for s in STEP_NAMES if s in affected]
 
 
 # ---- small file helpers ---------------------------------------------------------------------
@@ -249,11 +206,14 @@ class Run:
         "path": ..., "config_sha256": ...}``)."""
         return self.info.get("start") or {"from": "base-train"}
 
+    def spec(self, step: str) -> StepSpec:
+        """The spec that carries out ``step`` in this run (``crossalign.dag.step_for``: step 1 of a run started
+        from Hugging Face weights is their import)."""
+        return step_for(step, self.start)
+
     def pool(self, step: str) -> str:
-        """The pool that carries out ``step`` here: step 1 of a run started from Hugging Face weights is an
-        import, on the cpu pool; every other step runs on the pool of its spec."""
-        spec = step_spec(step)
-        return "cpu" if spec.index == 1 and self.start["from"] == "huggingface" else spec.pool
+        """The pool that carries out ``step`` in this run."""
+        return self.spec(step).pool
 
     def check_config(self, config: AlignmentConfig) -> None:
         """Refuse to reuse this run for another config: its finished steps describe another experiment."""

@@ -30,7 +30,7 @@ def pynative_writing_pid(run_dir: Path) -> int | None:
 def training_writing_pid(run_dir: Path, step: str) -> int | None:
     """The pid of ``step``'s running attempt (the process that runs the step: in distributed mode, its flow run's
     process) once the training writes its log into that attempt's staging folder, else None."""
-    from crossalign.store import step_spec
+    from crossalign.dag import step_spec
 
     attempt_file = run_dir / ".attempts" / f"{step}.json"
     if not attempt_file.exists():

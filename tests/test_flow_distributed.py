@@ -25,7 +25,8 @@ import pytest
 from conftest import free_port, stop_process, training_processes, training_writing_pid
 from test_live import RUN_TIMEOUT_S as LIVE_RUN_TIMEOUT_S, TINY as LIVE_TINY, _faulty_run
 from crossalign.agents.server import local_agents
-from crossalign.store import STEPS, RunStore
+from crossalign.dag import STEPS
+from crossalign.store import RunStore
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import pynative_writing_pid
-from crossalign.store import MANIFEST, STEP_NAMES, RunStore, sha256_file
+from crossalign.dag import STEP_NAMES
+from crossalign.store import MANIFEST, RunStore, sha256_file
 
 pytestmark = pytest.mark.slow
 
@@ -174,3 +175,28 @@ def test_bad_input_exits_2(embedded):
     if RunStore(store).exists("k1"):
         clash = _run(embedded, "run", "qwen35_moe_tiny", "--store", store, "--run-id", "k1")
         assert clash.returncode == 2 and "exists with a different config" in clash.stderr
+
+
+def test_the_flow_takes_the_request_its_caller_resolved(prefect_client_settings, tmp_path, monkeypatch):
+    """The alignment flow, called as the CLI calls it, freezes the config its caller resolved into run.json without
+    loading the config again (the request's dataset is missing, so the run ends right after run.json is written,
+    refused as bad input)."""
+    import crossalign.request
+    from crossalign.flows.alignment import alignment
+    from crossalign.flows.outcome import outcome_of
+    from crossalign.request import RunRequest, handing_over
+    from crossalign.store import StoreError
+
+    missing = tmp_path / "no-dataset"
+    resolved = RunRequest(config="qwen35_dense_tiny", run_id="handed", store=str(tmp_path / "store"),
+                          mode="embedded", overrides=["training.train_iters=30"],
+                          dataset_prefix=str(missing / "corpus"), tokenizer=str(missing / "tokenizer.json")).resolve()
+    loads = []
+    monkeypatch.setattr(crossalign.request, "load_config", lambda *args: loads.append(args))
+    with handing_over(resolved):
+        state = alignment(**resolved.request.form(), return_state=True)
+    assert state.is_failed() and not loads, loads
+    _, error = outcome_of(state)
+    assert isinstance(error, StoreError) and "dataset file" in str(error), error
+    run = RunStore(tmp_path / "store").run("handed")
+    assert run.info["config"] == resolved.config.model_dump(mode="json") and run.config.training.train_iters == 30

@@ -18,8 +18,9 @@ from crossalign.checkpoint.hf import read_hf_checkpoint
 from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
 from crossalign.config import load_config
 from crossalign.flows.launch import deployment_name
+from crossalign.request import hf_start
 from crossalign.store import RunStore, StoreError
-from crossalign.tasks.prepare import code_version, hf_start
+from crossalign.tasks.prepare import code_version
 
 REPO = Path(__file__).resolve().parent.parent
 CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))
@@ -39,14 +40,16 @@ def test_the_start_is_recorded_and_routes_step_1_to_the_cpu_pool(hf_dense, tmp_p
     run = store.create_run("r1", config, config_source="x", parameters={}, code_version=code_version(), start=start)
     assert run.start == start and start["path"] == str(hf_dense.absolute())
     assert run.pool("base-train") == "cpu" and run.pool("pynative-train") == "npu"
-    assert deployment_name("base-train", run) == "base-train/cpu"
+    assert run.spec("base-train").function == "crossalign.tasks.import_hf:import_hf"
+    assert deployment_name(run.spec("base-train")) == "step/import-hf"
     plain = store.create_run("r2", config, config_source="x", parameters={}, code_version=code_version())
-    assert plain.start == {"from": "base-train"} and deployment_name("base-train", plain) == "base-train/npu"
+    assert plain.start == {"from": "base-train"} and deployment_name(plain.spec("base-train")) == "step/base-train"
     with pytest.raises(StoreError, match="was started from"):
         store.create_run("r2", config, config_source="x", parameters={}, code_version=code_version(), start=start)
-    deployments = {(entry["entrypoint"], entry["name"]): entry["work_pool"]["name"]
+    deployments = {(entry["entrypoint"], entry["name"]): entry
                    for entry in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
-    assert deployments[("crossalign.flows.steps:base_train_flow", "cpu")] == "cpu"
+    entry = deployments[("crossalign.flows.steps:step_flow", "import-hf")]
+    assert entry["work_pool"]["name"] == "cpu" and entry["parameters"] == {"step": "base-train"}
     with pytest.raises(StoreError, match="no config.json"):
         hf_start(tmp_path)
 

@@ -121,11 +121,12 @@ def _sets(overrides: list[str]) -> list[str]:
 def _faulty_run(embedded, run_id: str, overrides: list[str]):
     """A run whose steps 1 and 2 are done as usual and whose step 3 committed a conversion with ``FAULT``."""
     from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.store import RunStore
+    from crossalign.request import RunRequest
     from crossalign.tasks.command import step_argv, step_command
     from crossalign.tasks.prepare import prepare_run
 
-    run = prepare_run(RunStore(embedded["store"]), "qwen35_dense_tiny", run_id=run_id, overrides=overrides)
+    run = prepare_run(RunRequest(config="qwen35_dense_tiny", run_id=run_id, overrides=overrides,
+                                 store=str(embedded["store"]), mode="embedded").resolve())
     for step in ("base-train", "cast-bf16"):
         done = subprocess.run(step_argv(str(run.store.root), run_id, step, embedded=True), env=embedded["env"],
                               capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

@@ -84,3 +84,14 @@ def test_no_module_imports_one_that_imports_it_back():
     graph = import_graph()
     assert len(graph) > 50 and graph["crossalign.report.compare"], "the graph holds the package's imports"
     assert circles(graph) == []
+
+
+def test_the_step_table_and_the_sides_sit_below_the_store_tasks_and_flows():
+    """dag.py (the step table, which the store reads) imports only the config and the sides' protocol; no side
+    imports the step table, the tasks or the flows."""
+    graph = import_graph()
+    assert graph["crossalign.dag"] <= {"crossalign.config", "crossalign.sides.protocol"}, graph["crossalign.dag"]
+    above = ("crossalign.dag", "crossalign.tasks", "crossalign.flows")
+    reaching = {module: sorted(i for i in imported if i.startswith(above))
+                for module, imported in graph.items() if module.startswith("crossalign.sides")}
+    assert not {module: found for module, found in reaching.items() if found}, reaching

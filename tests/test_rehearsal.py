@@ -87,10 +87,11 @@ def store(tmp_path_factory) -> RunStore:
 
 def embedded_run(store: RunStore, config: str, run_id: str, overrides: tuple[str, ...] = ()):
     """A run whose steps 1-4 ran embedded: its converted checkpoint, dataset and megatron-core losses."""
+    from crossalign.request import RunRequest
     from crossalign.tasks.prepare import prepare_run
 
-    run = prepare_run(store, config, run_id=run_id, overrides=["training.train_iters=5", "training.lr_warmup_iters=2",
-                                                                "training.base_train_iters=3", *overrides])
+    run = prepare_run(RunRequest(config=config, run_id=run_id, store=str(store.root), mode="embedded", overrides=[
+        "training.train_iters=5", "training.lr_warmup_iters=2", "training.base_train_iters=3", *overrides]).resolve())
     for step in STEPS:
         subprocess.run([sys.executable, "-m", "crossalign.tasks", "--store", str(store.root), "--run", run_id,
                         "--step", step, "--embedded"], check=True, capture_output=True, timeout=900)

@@ -10,20 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from crossalign.data.files import DatasetFiles
 from crossalign.config import load_config
+from crossalign.dag import STEP_NAMES, UnknownStep, downstream, step_spec
+from crossalign.data.files import DatasetFiles
 from crossalign.store import (
     MANIFEST,
-    STEP_NAMES,
     RunStore,
     StaleInputs,
     StepNotReady,
     StoreError,
     dataset_fingerprint,
-    downstream,
     new_run_id,
     sha256_file,
-    step_spec,
 )
 
 
@@ -60,7 +58,7 @@ def test_dag_order_and_downstream():
     assert downstream("convert") == ["convert", "megatron-train", "compare"]
     assert downstream("cast-bf16") == ["cast-bf16", "convert", "megatron-train", "pynative-train", "compare"]
     assert downstream("compare") == ["compare"]
-    with pytest.raises(StoreError, match="unknown step 'convrt'.*base-train"):
+    with pytest.raises(UnknownStep, match="unknown step 'convrt'.*base-train"):
         step_spec("convrt")
 
 

@@ -1,14 +1,14 @@
 """The ``crossalign`` command line: one Typer app; each area registers its own commands.
 
-Heavy frameworks (MindSpore, torch, Prefect) are imported inside the commands, so
-``crossalign --help`` stays fast.
+Heavy frameworks (MindSpore, torch, Prefect, and pydantic's config models) are imported inside the
+commands, so ``crossalign --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import typer
 
-from crossalign.cli import backends, checkpoint, compare, data, diagnose, models, orchestration, rehearse
+from crossalign.cli import agents, backends, checkpoint, compare, data, diagnose, models, rehearse, run, runs
 
 app = typer.Typer(
     name="crossalign",
@@ -18,7 +18,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
-for area in (orchestration, checkpoint, models, data, compare, backends, diagnose, rehearse):
+for area in (run, runs, agents, checkpoint, models, data, compare, backends, diagnose, rehearse):
     area.register(app)
 
 

@@ -10,26 +10,26 @@ stopped; on a retry or a rerun the outputs of a step it would skip are first che
 the sha256 in its manifest, so a damaged output is redone rather than consumed. Infrastructure
 failures are retried with backoff, deterministic ones are not.
 
+The run form's fields (and the command line's options) make one request (``crossalign.request``),
+resolved once: the config is loaded with its overrides there and frozen into the run's run.json.
 The ``rerun`` flow is the UI's form for ``crossalign rerun``: one run id, one step.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
 from prefect.futures import wait
 from prefect.runtime import flow_run as current_flow_run
+from prefect.settings import get_current_settings
 from prefect.states import Completed, State
 
-from crossalign.data.files import DatasetFiles
-from crossalign.preflight.config import preflight_config
-from crossalign.config import ConfigError, OverrideError
-from crossalign.sides.megatron.side import MEGATRON
-from crossalign.sides.mindformers.side import MINDFORMERS
-from crossalign.preflight.data import compare_sample_order
+from crossalign.config import ConfigError, load_config
+from crossalign.dag import STEPS, StepName
 from crossalign.flows.events import StepEvent, emit
 from crossalign.flows.launch import execute_deployment, execute_subprocess, step_timeout
 from crossalign.flows.live import stop_error, stopped_outcome, watch_training
@@ -37,21 +37,22 @@ from crossalign.flows.outcome import failed
 from crossalign.flows.reporting import StepReporter
 from crossalign.flows.retry import backoff_delays, retry_on_infrastructure
 from crossalign.flows.summary import publish_compare, run_url, steps_table
+from crossalign.preflight.config import preflight_config
+from crossalign.preflight.data import compare_sample_order
+from crossalign.request import Mode, ResolvedRequest, RunRequest, form_error, resolution
+from crossalign.sides.megatron.side import MEGATRON
+from crossalign.sides.mindformers.side import MINDFORMERS
 from crossalign.site import load_site
-from crossalign.store import STEP_NAMES, STEPS, RunStore, new_run_id, step_spec
-from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed
-from crossalign.tasks.prepare import prepare_run, resolve_config
 from crossalign.stop import clear_live
+from crossalign.store import RunStore, StoreError, new_run_id
+from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed
+from crossalign.tasks.prepare import prepare_run
 
-Mode = Literal["distributed", "embedded"]
-StepName = Literal[STEP_NAMES]  # type: ignore[valid-type]
 PREFLIGHT_BATCHES = 3  # global batches whose token digests must agree between the two sides
 
 
 def name_flow_run(name: str) -> None:
     """Name the current flow run after the store's run id, which is what users look for in the UI."""
-    from prefect.client.orchestration import get_client
-
     flow_run_id = current_flow_run.get_id()
     if flow_run_id and current_flow_run.get_name() != name:
         with get_client(sync_client=True) as client:
@@ -60,8 +61,6 @@ def name_flow_run(name: str) -> None:
 
 def _flow_run_ui_url() -> str | None:
     """The current flow run's page in the Prefect UI: PREFECT_UI_URL's, else the API's address without /api."""
-    from prefect.settings import get_current_settings
-
     settings = get_current_settings()
     base = settings.ui_url or (settings.api.url or "").removesuffix("/").removesuffix("/api")
     flow_run_id = current_flow_run.get_id()
@@ -69,21 +68,17 @@ def _flow_run_ui_url() -> str | None:
 
 
 @task(name="prepare-run", task_run_name="prepare-run", cache_policy=NO_CACHE)
-def prepare(store: str, config: str | None, run_id: str, overrides: list[str], dataset: DatasetFiles | None,
-            rerun: list[str], mode: str, from_hf: str | None = None) -> str:
+def prepare(resolved: ResolvedRequest) -> str:
     """Create or reopen the run, settle its dataset, and invalidate the steps asked to rerun (once per flow run).
 
-    Without ``config`` the run must exist and is reopened as it was.
+    Without a config the run must exist and is reopened as it was.
     """
     logger = get_run_logger()
-    if config is None:
-        run = RunStore(store).run(run_id)
-    else:
-        run = prepare_run(RunStore(store), config, run_id=run_id, overrides=overrides, dataset=dataset, mode=mode,
-                          from_hf=None if from_hf is None else Path(from_hf))
+    run = prepare_run(resolved)
     logger.info(f"run {run.run_id} in {run.path} (dataset {run.dataset.prefix})")
     # the report links back to the flow run that carried the run out last
     run.update_info(prefect_flow_run={"id": str(current_flow_run.get_id() or ""), "url": _flow_run_ui_url()})
+    rerun = resolved.request.rerun
     if rerun:
         token = str(current_flow_run.get_id() or "")
         if token not in run.info.get("rerun_by", []):
@@ -115,17 +110,16 @@ def preflight(store: str, run_id: str) -> None:
 
 
 @task(name="step", cache_policy=NO_CACHE, retry_condition_fn=retry_on_infrastructure)
-def step_task(store: str, run_id: str, step: str, mode: Mode, poll_interval_s: float,
-              timeout_s: float | None, checksums: bool) -> dict[str, Any]:
-    """One step: skipped if its manifest is valid, else carried out where ``mode`` says.
+def step_task(request: RunRequest, step: str, checksums: bool) -> dict[str, Any]:
+    """One step of the (resolved) request's run: skipped if its manifest is valid, else carried out where the
+    request's ``mode`` says.
 
     ``checksums`` (a retry or a rerun) also compares a finished step's outputs with their sha256;
     a damaged step is removed with everything downstream, so that its own flow run redoes it.
     """
     logger = get_run_logger()
-    run = RunStore(store).run(run_id)
-    if timeout_s is None:
-        timeout_s = step_timeout(run, step, load_site())
+    run = RunStore(request.store).run(request.run_id)
+    timeout_s = request.step_timeout_s or step_timeout(run, step, load_site())
     damaged = run.damaged_outputs(step, checksums=checksums)  # read once: sha256 reads whole checkpoints
     if not damaged and run.is_done(step):
         manifest = run.manifest(step)
@@ -137,12 +131,13 @@ def step_task(store: str, run_id: str, step: str, mode: Mode, poll_interval_s: f
         logger.warning(f"{step}: outputs changed since the step was committed ({'; '.join(damaged)}); "
                        f"redoing {', '.join(removed)}")
     emit(StepEvent(step, "started"))
-    reporter = StepReporter(step, run_id, logger)
+    reporter = StepReporter(step, run.run_id, logger)
     try:
-        if mode == "embedded":
+        if request.mode == "embedded":
             manifest = execute_subprocess(run, step, reporter)
         else:
-            manifest = execute_deployment(run, step, reporter, poll_interval=poll_interval_s, timeout_s=timeout_s)
+            manifest = execute_deployment(run, step, reporter, poll_interval=request.poll_interval_s,
+                                          timeout_s=timeout_s)
     except (StepFailed, InfrastructureError) as exc:
         error = stop_error(run, step, exc)  # a training stopped early is not retried
         emit(StepEvent(step, "failed", message=str(error)))
@@ -157,25 +152,17 @@ def _brief(manifest: dict[str, Any]) -> dict[str, Any]:
     return {key: manifest[key] for key in ("step", "host", "seconds", "finished")}
 
 
-def as_typed(items: list[str] | None) -> list[str]:
-    """A list parameter as the user meant it: each item stripped of blanks and of the quotes the UI's list field
-    takes literally (a form item typed as "training.train_iters=10" keeps its quotes), empty items dropped."""
-    cleaned = []
-    for item in items or []:
-        item = item.strip()
-        if len(item) >= 2 and item[0] == item[-1] and item[0] in "\"'":
-            item = item[1:-1].strip()
-        if item:
-            cleaned.append(item)
-    return cleaned
-
-
-def form_error(exc: ConfigError) -> str:
-    """A config or override error in the words of the run form (its fields are config and overrides)."""
-    text = str(exc).replace(" with --set ", " with overrides ")
-    if isinstance(exc, OverrideError) and text.startswith("--set "):
-        text = "overrides: " + text.removeprefix("--set ")
-    return text
+def _name_refused(run_id: str | None, config: str | None) -> None:
+    """Name the flow run of a refused request as its run would have been named: its run id, else a new one from
+    its config's model, when the config itself loads (the overrides may be what was refused)."""
+    run_id, config = (run_id or "").strip(), (config or "").strip()
+    if run_id:
+        name_flow_run(run_id)
+    elif config:
+        try:
+            name_flow_run(new_run_id(load_config(config).model.name))
+        except ConfigError:
+            pass
 
 
 @flow(name="alignment")
@@ -214,22 +201,14 @@ def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = Non
         fail_fast: Stop both trainings (steps 4 and 5) as soon as what they logged cannot pass
             any more, and end the run fail (off here or in the site config: both always finish).
     """
-    overrides = as_typed(overrides)
-    config = config.strip() if config and config.strip() else None
+    form = dict(locals())  # the form's fields are the request's own (tests/test_flow_units.py holds them equal)
     try:
-        if run_id is None:
-            if config is None:
-                raise ConfigError("config: give a config, or the run_id of an existing run to reopen")
-            run_id = new_run_id(resolve_config(config)[0].model.name)
-        name_flow_run(run_id)
-        if config is not None:  # a bad config or override fails here, named as in the form
-            resolve_config(config, overrides)
-    except ConfigError as exc:
+        resolved = resolution(RunRequest(**form))
+    except (ConfigError, StoreError) as exc:  # named as in the form
+        _name_refused(run_id, config)
         return failed(form_error(exc), cause=exc)
-    return _align(config=config, run_id=run_id, overrides=overrides, store=store,
-                  rerun=list(rerun or []), mode=mode, dataset_prefix=dataset_prefix, tokenizer=tokenizer,
-                  retries=retries, retry_delay_s=retry_delay_s, step_timeout_s=step_timeout_s,
-                  poll_interval_s=poll_interval_s, from_hf=from_hf, fail_fast=fail_fast)
+    name_flow_run(resolved.run_id)
+    return align(resolved)
 
 
 @flow(name="rerun", flow_run_name="{run_id}-rerun-{step}")
@@ -250,43 +229,37 @@ def rerun(run_id: str, step: StepName, store: str | None = None, retries: int = 
             for each iteration the step trains.
         poll_interval_s: Seconds between looks at a step's flow run.
     """
+    options = dict(locals())  # the form's fields are the request's own, but for step
+    del options["step"]
     root = RunStore(store or load_site().store)
     mode = root.run(run_id).info["parameters"].get("mode", "distributed")
-    return _align(config=None, run_id=run_id, overrides=[], store=str(root.root), rerun=[step_spec(step).name],
-                  mode=mode, dataset_prefix=None, tokenizer=None, retries=retries, retry_delay_s=retry_delay_s,
-                  step_timeout_s=step_timeout_s, poll_interval_s=poll_interval_s)
+    request = RunRequest(**{**options, "config": None, "store": str(root.root), "rerun": [step], "mode": mode})
+    return align(request.resolve())
 
 
-def _align(*, config: str | None, run_id: str, overrides: list[str], store: str | None, rerun: list[str],
-           mode: Mode, dataset_prefix: str | None, tokenizer: str | None, retries: int, retry_delay_s: float,
-           step_timeout_s: float | None, poll_interval_s: float, from_hf: str | None = None,
-           fail_fast: bool = True) -> State:
-    """The DAG in the current flow run (alignment or rerun): Completed with a passing verdict, Failed with any
-    other (an expected outcome, told in the state message, not an exception); raises when a step failed."""
-    from prefect.artifacts import create_table_artifact
-
+def align(resolved: ResolvedRequest) -> State:
+    """The DAG of a resolved request in the current flow run (alignment, rerun): Completed with a passing verdict,
+    Failed with any other (an expected outcome, told in the state message, not an exception); raises when a step
+    failed. The state's data is the outcome: run_id, verdict, report (and report_dir, summary)."""
     logger = get_run_logger()
-    for name in rerun:
-        step_spec(name)
-    if (dataset_prefix is None) != (tokenizer is None):
-        raise ConfigError("dataset_prefix and tokenizer go together: give both or neither")
-    dataset = None if dataset_prefix is None else DatasetFiles(Path(dataset_prefix), Path(tokenizer))
-    root = str(RunStore(store or load_site().store).root)
-    run_id = prepare(root, config, run_id, overrides, dataset, rerun, mode, from_hf)
+    request = resolved.request
+    root = str(resolved.store.root)
+    run_id = prepare(resolved)
     preflight(root, run_id)
     clear_live(RunStore(root).run(run_id))  # an earlier flow run's stop request must not stop this one
 
     # on a retry or a rerun, outputs may have been damaged since they were committed
-    checksums = bool(rerun) or (current_flow_run.run_count or 1) > 1
-    launcher = step_task.with_options(retries=retries, retry_delay_seconds=backoff_delays(retry_delay_s, retries))
+    checksums = bool(request.rerun) or (current_flow_run.run_count or 1) > 1
+    launcher = step_task.with_options(retries=request.retries,
+                                      retry_delay_seconds=backoff_delays(request.retry_delay_s, request.retries))
     futures: dict[str, Any] = {}
     for spec in STEPS:
         # the task's own name too: Prefect names a task run that waits for its inputs after its task
         futures[spec.name] = launcher.with_options(name=spec.name, task_run_name=spec.name).submit(
-            root, run_id, spec.name, mode, poll_interval_s, step_timeout_s, checksums,
-            wait_for=[futures[name] for name in spec.inputs])
-    stopped = watch_training(RunStore(root).run(run_id), futures, mode=mode, poll_interval_s=poll_interval_s,
-                             fail_fast=fail_fast and load_site().fail_fast, logger=logger)
+            request, spec.name, checksums, wait_for=[futures[name] for name in spec.inputs])
+    stopped = watch_training(RunStore(root).run(run_id), futures, mode=request.mode,
+                             poll_interval_s=request.poll_interval_s,
+                             fail_fast=request.fail_fast and load_site().fail_fast, logger=logger)
     wait(list(futures.values()))
 
     run = RunStore(root).run(run_id)

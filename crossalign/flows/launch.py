@@ -16,14 +16,25 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import httpx
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+from prefect.deployments import run_deployment
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.states import Cancelling
+
+from crossalign.agents.runner import run_streaming
+from crossalign.dag import HF_IMPORT, STEPS, StepSpec
 from crossalign.flows.reporting import StepReporter
 from crossalign.site import SiteConfig
-from crossalign.store import Run, step_spec
+from crossalign.store import Run
 from crossalign.tasks import run_step
 from crossalign.tasks.command import step_argv
 from crossalign.tasks.errors import InfrastructureError, StepFailed, exit_code_error
 
 LATE_WARNING_S = 60.0
+STEP_FLOW = "step"  # the one flow that carries out any step, deployed once per step
+STEP_FLOW_ENTRYPOINT = "crossalign.flows.steps:step_flow"
 
 
 def step_log_path(run: Run, step: str):
@@ -57,8 +68,6 @@ def execute_here(run: Run, step: str, site: SiteConfig, reporter: StepReporter) 
 
 def execute_subprocess(run: Run, step: str, reporter: StepReporter) -> dict[str, Any]:
     """Carry out ``step`` as a local ``python -m crossalign.tasks --embedded`` process, streaming its output."""
-    from crossalign.agents.runner import run_streaming
-
     argv = step_argv(str(run.store.root), run.run_id, step, embedded=True)
     reporter.logger.info(f"{step}: {shlex.join(argv)}")
     code = run_streaming(argv, on_line=reporter.on_line, log_path=step_log_path(run, step))
@@ -71,18 +80,23 @@ def execute_subprocess(run: Run, step: str, reporter: StepReporter) -> dict[str,
 
 
 def step_timeout(run: Run, step: str, site: SiteConfig) -> float:
-    """The default limit on a step's flow run: the site's, or derived from the iterations the step trains."""
-    training = run.config.training
-    iterations = {"base-train": 0 if run.pool(step) == "cpu" else training.base_train_iters,
-                  "megatron-train": training.train_iters, "pynative-train": training.train_iters}.get(step, 0)
-    return site.step_timeout(step, iterations)
+    """The default limit on a step's flow run: the site's, or derived from the iterations the run's spec of the
+    step trains (``StepSpec.trains``)."""
+    return site.step_timeout(step, run.spec(step).iterations(run.config.training))
 
 
-def deployment_name(step: str, run: Run | None = None) -> str:
-    """``<flow>/<deployment>`` of a step's deployment in prefect.yaml: the deployment is named after its pool
-    (the run's, when given: step 1 of a run started from Hugging Face weights runs on cpu)."""
-    spec = step_spec(step)
-    return f"{spec.name}/{spec.pool if run is None else run.pool(step)}"
+def deployment_name(spec: StepSpec) -> str:
+    """``<flow>/<deployment>`` of the deployment in prefect.yaml that carries ``spec`` out on its pool."""
+    return f"{STEP_FLOW}/{spec.deployment}"
+
+
+def missing_step_deployments(deployments: list[dict[str, Any]]) -> list[str]:
+    """The step deployments the step table needs that a prefect.yaml's ``deployments`` lack: one of the step flow
+    per way of carrying a step out, named as the table says, on its pool, with its step as parameter."""
+    found = {(entry.get("name"), (entry.get("work_pool") or {}).get("name"), (entry.get("parameters") or {}).get("step"))
+             for entry in deployments if entry.get("entrypoint") == STEP_FLOW_ENTRYPOINT}
+    return [f"{deployment_name(spec)} on the {spec.pool} pool with parameters {{step: {spec.name}}}"
+            for spec in (*STEPS, HF_IMPORT) if (spec.deployment, spec.pool, spec.name) not in found]
 
 
 def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_interval: float = 0.5,
@@ -94,11 +108,9 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
     never duplicates a child) and starts the next attempt after one that ended without
     completing the step.
     """
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-
-    name = deployment_name(step, run)
-    parameters = {"run_id": run.run_id, "store": str(run.store.root)}
+    spec = run.spec(step)
+    name = deployment_name(spec)
+    parameters = {"step": spec.name, "run_id": run.run_id, "store": str(run.store.root)}
     attempt = 1
     with _api_trouble_is_infrastructure(step), get_client(sync_client=True) as client:
         while True:
@@ -115,14 +127,14 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
                 attempt += 1  # an earlier attempt that failed, or whose output was invalidated since
                 continue
             reporter.logger.info(f"{step}: waiting for flow run {child.name} of {name} (key {key})")
-            _name_tracking_task_run(client, child, f"{step} on {run.pool(step)}")
-            state = _wait_final(client, child, step, reporter, poll_interval, timeout_s)
+            _name_tracking_task_run(client, child, f"{step} on {spec.pool}")
+            state = _wait_final(client, child, spec, reporter, poll_interval, timeout_s)
             if state.is_completed():
                 if not run.is_done(step):
                     raise StepFailed(step, f"flow run {child.name} completed but the step's manifest is "
                                            f"missing or stale in {run.path}")
                 manifest = run.manifest(step)
-                _name_tracking_task_run(client, child, f"{step} on {run.pool(step)}, host {manifest['host']}")
+                _name_tracking_task_run(client, child, f"{step} on {spec.pool}, host {manifest['host']}")
                 return manifest
             detail = _failure_detail(run, step) or (state.message or "")
             where = f"flow run {child.name} of {name} ended {state.name}"
@@ -134,8 +146,6 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
 
 def _ended_attempt(client, flow_run_name: str, key: str):
     """The flow run of an attempt (its name and idempotency key) if it exists and has ended, else None."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-
     named = FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name]))
     for flow_run in client.read_flow_runs(flow_run_filter=named):
         if flow_run.idempotency_key == key and flow_run.state is not None and flow_run.state.is_final():
@@ -153,9 +163,6 @@ def _name_tracking_task_run(client, child, name: str) -> None:
 @contextmanager
 def _api_trouble_is_infrastructure(step: str) -> Iterator[None]:
     """An unreachable or overloaded Prefect API (connection errors, 5xx) is worth another attempt."""
-    import httpx
-    from prefect.exceptions import PrefectHTTPStatusError
-
     try:
         yield
     except PrefectHTTPStatusError as exc:
@@ -167,11 +174,11 @@ def _api_trouble_is_infrastructure(step: str) -> Iterator[None]:
         raise InfrastructureError(step, f"Prefect API unreachable: {exc}") from exc
 
 
-def _wait_final(client, child, step: str, reporter: StepReporter, poll_interval: float, timeout_s: float | None):
+def _wait_final(client, child, spec: StepSpec, reporter: StepReporter, poll_interval: float,
+                timeout_s: float | None):
     """The child's final state. ``timeout_s`` counts from when it started running (a child waiting for a worker
     has not started); past it the child is cancelled (its worker ends the process) and the step may be retried."""
-    from prefect.states import Cancelling
-
+    step = spec.name
     started = time.monotonic()
     running_since = None
     warned_late = False
@@ -190,5 +197,5 @@ def _wait_final(client, child, step: str, reporter: StepReporter, poll_interval:
         if not warned_late and state is not None and state.is_scheduled() and waited > LATE_WARNING_S:
             warned_late = True
             reporter.logger.warning(f"{step}: flow run {child.name} has waited {waited:.0f} s for a worker: "
-                                    f"is `crossalign agent start --pool {step_spec(step).pool}` running?")
+                                    f"is `crossalign agent start --pool {spec.pool}` running?")
         time.sleep(poll_interval)

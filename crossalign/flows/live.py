@@ -25,13 +25,25 @@ import socket
 import time
 from typing import Any
 
+import numpy as np
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+from prefect.context import FlowRunContext
+from prefect.states import Cancelling
+
+from crossalign.dag import COMPARED, step_spec
 from crossalign.flows.events import StepEvent, emit
+from crossalign.flows.outcome import failed
+from crossalign.flows.summary import run_url
 from crossalign.report.live import Decision, LiveComparison, Snapshot, titled
 from crossalign.report.metrics import COMOVE_MIN_STEPS, MEAN_LIMIT, STEP1_LIMIT
-from crossalign.store import Run, step_spec, write_json_atomic
-from crossalign.tasks.errors import InfrastructureError, StepFailed
+from crossalign.report.render import plot_losses, write_outputs
 from crossalign.stop import (STOPPABLE, hold_after_first_step, keep_log, kept_log_path, live_dir, read_stop,
-                                   release, request_stop, update_stop)
+                             release, request_stop, update_stop)
+from crossalign.store import Run, write_json_atomic
+from crossalign.tasks.errors import InfrastructureError, StepFailed
 
 LIVE_KEY = "live-alignment"
 LIVE_TABLE_KEY = "live-alignment-table"
@@ -40,7 +52,6 @@ STOP_GRACE_S = 10.0  # a training still running this long after the stop request
 KILL_GRACE_S = 5.0  # a terminated step process still alive this long after SIGTERM is killed
 SNAPSHOT_FILE = "alignment.json"
 PLOT_FILE = "loss.png"
-SIDE_OF_STEP = {"megatron-train": "megatron", "pynative-train": "mindformers"}
 
 
 def _pct(x: float | None) -> str:
@@ -83,9 +94,6 @@ class LivePublisher:
                                           or snapshot.compared - self.shown_at >= PUBLISH_EVERY_STEPS)
 
     def show(self, snapshot: Snapshot) -> None:
-        from crossalign.flows.summary import run_url
-        from crossalign.report.render import plot_losses
-
         self.shown_at = snapshot.compared
         folder = live_dir(self.run)
         folder.mkdir(exist_ok=True)
@@ -114,14 +122,8 @@ class LivePublisher:
 
     def _put(self, key: str, data: Any, description: str) -> None:
         """Create the artifact on the first call, then replace its data (the same artifact, not a new version)."""
-        from prefect.context import FlowRunContext
-
         if FlowRunContext.get() is None:
             return
-        from prefect.artifacts import create_markdown_artifact, create_table_artifact
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.actions import ArtifactUpdate
-
         try:
             if key not in self.artifact_ids:
                 create = create_table_artifact if isinstance(data, list) else create_markdown_artifact
@@ -218,10 +220,6 @@ def stop_training(run: Run, futures: dict[str, Any], *, mode: str, logger: Any) 
 
 def cancel_flow_runs(run: Run, steps: list[str], reason: str) -> None:
     """Cancel the step's flow runs that have not ended; their workers then kill the processes (and the jobs)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-    from prefect.states import Cancelling
-
     with get_client(sync_client=True) as client:
         for step in steps:
             name = f"{run.run_id}-{step}"  # the names execute_deployment gives a step's attempts
@@ -277,13 +275,11 @@ def _keep_abandoned_log(run: Run, step: str) -> None:
 def _saved(run: Run, step: str, frame, total: int, stopped_at: float) -> dict[str, Any]:
     """Steps trained and saved; card-hours: elapsed x cards so far, and the median logged step time x cards for
     the steps not trained."""
-    import numpy as np
-
     attempt = run.attempt(step) or {}
     seconds = attempt.get("seconds")
     if seconds is None and "started_at" in attempt:
         seconds = max(stopped_at - attempt["started_at"], 0.0)
-    cards = getattr(run.config.parallel, SIDE_OF_STEP[step]).world_size
+    cards = getattr(run.config.parallel, step_spec(step).side).world_size
     trained = 0 if frame is None or frame.empty else int(frame["step"].max())
     times = np.array([]) if frame is None or "step_time_ms" not in frame else frame["step_time_ms"].dropna().to_numpy()
     step_s = float(np.median(times)) / 1000 if len(times) else None
@@ -298,18 +294,13 @@ def _saved(run: Run, step: str, frame, total: int, stopped_at: float) -> dict[st
 def stopped_outcome(run: Run, decision: Decision, logger: Any):
     """Once both trainings ended: the report of what they logged, the savings, and the run's final state
     (Failed with the verdict in its message, as a failed verdict of step 6 ends it)."""
-    from crossalign.flows.outcome import failed
-    from crossalign.flows.summary import run_url
-    from crossalign.report.render import write_outputs
-
     stopped_at = time.time()
     for step in STOPPABLE:
         _keep_abandoned_log(run, step)
     comparison = LiveComparison(run)
     snapshot = comparison.update() or comparison.snapshot
     total = snapshot.total
-    saved = {step: _saved(run, step, snapshot.frames.get(side), total, stopped_at)
-             for side, step in (("gpu", "megatron-train"), ("npu", "pynative-train"))}
+    saved = {spec.name: _saved(run, spec.name, snapshot.frames.get(spec.pool), total, stopped_at) for spec in COMPARED}
     steps_saved = sum(s["saved_steps"] for s in saved.values())
     hours = [s["card_hours_saved"] for s in saved.values() if s["card_hours_saved"] is not None]
     trained = ", ".join(f"{step} after {s['trained_steps']} of {total} steps"

@@ -14,16 +14,16 @@ from __future__ import annotations
 from datetime import date, datetime, timezone
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 from prefect.states import Completed, State
 
 from crossalign.config import ConfigError
-from crossalign.flows.alignment import Mode, alignment, as_typed, form_error, name_flow_run
-from crossalign.flows.outcome import failed
+from crossalign.flows.alignment import alignment, name_flow_run
+from crossalign.flows.outcome import failed, outcome_of
 from crossalign.report.serve import store_url
+from crossalign.request import Mode, RunRequest, as_typed, form_error, handing_over
 from crossalign.site import load_site
-from crossalign.store import RunStore, read_json
-from crossalign.tasks.compare import SUMMARY
-from crossalign.tasks.prepare import resolve_config
+from crossalign.store import StoreError
 from crossalign.tasks.regression import (
     DEFAULT_FLOOR,
     DEFAULT_TOLERANCE,
@@ -56,34 +56,27 @@ def nightly(configs: list[str] | None = None, overrides: list[str] | None = None
         retries: Attempts per step after an infrastructure failure.
         retry_delay_s: Seconds before the first retry of a step, tripled for each further one.
     """
-    from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
-
     logger = get_run_logger()
     configs = as_typed(configs) or ["qwen35_dense", "qwen35_moe"]
-    overrides = as_typed(overrides)
     today = date.fromisoformat(night) if night else datetime.now(timezone.utc).date()
     name_flow_run(f"nightly-{today:%Y%m%d}")
-    try:
-        for config in configs:  # a bad config or override fails the night before any run starts
-            resolve_config(config, overrides)
-    except ConfigError as exc:
+    try:  # a bad config or override fails the night before any run starts
+        runs = [RunRequest(config=config, overrides=overrides, store=store, mode=mode, retries=retries,
+                           retry_delay_s=retry_delay_s).resolve() for config in configs]
+    except (ConfigError, StoreError) as exc:
         return failed(form_error(exc), cause=exc)
-    root = RunStore(store or load_site().store)
-    history_path = root.root / "nightly" / "history.json"
+    runs = [resolved.named(f"nightly-{today:%Y%m%d}-{resolved.config.model.name}") for resolved in runs]
+    history_path = runs[0].store.root / "nightly" / "history.json"
     history = load_history(history_path)
 
     entries, problems = [], []
-    for config in configs:
-        model = resolve_config(config, overrides)[0].model.name
-        run_id = f"nightly-{today:%Y%m%d}-{model}"
-        state = alignment(config=config, run_id=run_id, overrides=overrides, store=str(root.root),
-                          mode=mode, retries=retries, retry_delay_s=retry_delay_s, return_state=True)
-        summary, error = None, None
-        if root.exists(run_id) and root.run(run_id).is_done("compare"):
-            summary = read_json(root.run(run_id).step_dir("compare") / SUMMARY)
-        if not state.is_completed() and summary is None:
-            error = state.message or state.name
-        entry = history_entry(model, run_id, today, summary, error)
+    for resolved in runs:
+        model = resolved.config.model.name
+        with handing_over(resolved):
+            state = alignment(**resolved.request.form(), return_state=True)
+        summary = (outcome_of(state)[0] or {}).get("summary")  # the verdict's, from the run's own outcome
+        error = None if state.is_completed() or summary is not None else state.message or state.name
+        entry = history_entry(model, resolved.run_id, today, summary, error)
         found = find_regressions(previous_entry(history, model, today.isoformat()), entry,
                                  tolerance=tolerance, floor=floor)
         if entry["verdict"] not in (None, "pass"):
@@ -94,7 +87,7 @@ def nightly(configs: list[str] | None = None, overrides: list[str] | None = None
 
     history = record(history_path, entries)
     trend = plot_trend(history, history_path.with_name("trend.png"))
-    trend_url = store_url(load_site().report_url, root.root, trend)
+    trend_url = store_url(load_site().report_url, runs[0].store.root, trend)
     create_table_artifact(history_rows(history), key="nightly-history",
                           description=f"nightly alignment history ({history_path})")
     create_markdown_artifact(

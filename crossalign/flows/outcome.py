@@ -30,6 +30,17 @@ def failed(message: str, outcome: dict[str, Any] | None = None, cause: BaseExcep
     return Failed(message=message, data=RunOutcome(message, outcome, cause))
 
 
+def outcome_of(state: State) -> tuple[dict[str, Any] | None, BaseException | None]:
+    """What a run's final state carries: its outcome (the alignment's run_id, verdict, report, ...), else the
+    error that ended it (bad input, a failed step); (None, None) when it carries neither."""
+    data = state.result(raise_on_failure=False)
+    if isinstance(data, RunOutcome):
+        return data.outcome, data.cause
+    if isinstance(data, BaseException):
+        return None, data
+    return (data, None) if isinstance(data, dict) else (None, None)
+
+
 class _OutcomeIsNotAnError(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and isinstance(record.exc_info[1], RunOutcome))

@@ -22,15 +22,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from crossalign.sides.log_common import LogFormatError
+from crossalign.dag import COMPARED, step_spec
 from crossalign.logs import parse_log_text
 from crossalign.report.compare import DAG_LOG_INTERVAL, CompareOptions, build_summary, options_from_config
-from crossalign.report.summary import Summary
 from crossalign.report.metrics import MEAN_LIMIT, STEP1_LIMIT
-from crossalign.store import Run, step_spec
+from crossalign.report.summary import Summary
+from crossalign.sides.log_common import LogFormatError
 from crossalign.stop import kept_log_path
+from crossalign.store import Run
 
-SIDES = {"gpu": "megatron-train", "npu": "pynative-train"}  # the comparison's sides and the steps that log them
+SIDES = {spec.pool: spec.name for spec in COMPARED}  # the comparison's sides (gpu, npu) and the steps that log them
 
 
 def _pct(x: float | None) -> str:
@@ -132,7 +133,7 @@ class Snapshot:
                 for m in self.summary.series.values() if m.status == "compared"]
 
     def headline(self) -> str:
-        shown = ", ".join(f"{SIDES[side]} at {self.logged[side]}" for side in ("gpu", "npu"))
+        shown = ", ".join(f"{step} at {self.logged[side]}" for side, step in SIDES.items())
         return f"steps 1-{self.compared} of {self.total} compared ({shown})" if self.compared \
             else f"waiting for both sides to log step 1 ({shown})"
 

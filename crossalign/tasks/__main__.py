@@ -11,7 +11,11 @@ import argparse
 import sys
 import traceback
 
+from crossalign.site import load_site
+from crossalign.store import RunStore
+from crossalign.tasks import run_step
 from crossalign.tasks.errors import EXIT_DETERMINISTIC, EXIT_OK, EXIT_RETRYABLE
+from crossalign.tasks.progress import print_progress
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,12 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embedded", action="store_true", help="train with the CPU backends whatever the site says")
     parser.add_argument("--site", default=None, help="the site config file")
     args = parser.parse_args(argv)
-
-    from crossalign.site import load_site
-    from crossalign.store import RunStore
-    from crossalign.tasks import run_step
-    from crossalign.tasks.progress import print_progress
-
     try:
         site = load_site(args.site)
         if args.embedded:

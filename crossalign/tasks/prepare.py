@@ -1,8 +1,7 @@
-"""Before the six steps: resolve the config, create (or reopen) the run, and settle its dataset.
+"""Before the six steps: create (or reopen) the run from its resolved request, and settle its dataset.
 
-The run's config snapshot in run.json is the single source every step reads, so overrides
-given on the command line (``--set training.train_iters=10``) are applied here once, validated
-like a config file, and frozen into the run.
+The run's config snapshot in run.json is the single source every step reads: the request's config,
+loaded once with its overrides (``crossalign.request.RunRequest.resolve``), is frozen into the run here.
 """
 
 from __future__ import annotations
@@ -11,17 +10,13 @@ import fcntl
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import crossalign
 from crossalign.data.files import DatasetFiles
-from crossalign.config import AlignmentConfig, load_config, resolve_config_path
-from crossalign.store import Run, RunStore, StoreError, dataset_fingerprint, new_run_id, sha256_file
-
-
-def resolve_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> tuple[AlignmentConfig, Path]:
-    """The validated config with ``overrides`` applied, and the file it came from."""
-    return load_config(name_or_path, overrides), resolve_config_path(name_or_path)
+from crossalign.data.prepare import prepare_dataset
+from crossalign.request import ResolvedRequest
+from crossalign.store import Run, RunStore, StoreError, dataset_fingerprint
 
 
 def code_version() -> dict[str, Any]:
@@ -41,18 +36,6 @@ def code_version() -> dict[str, Any]:
     return version
 
 
-def hf_start(directory: Path) -> dict[str, Any]:
-    """The start record of a run whose step 1 imports a Hugging Face checkpoint (its folder and config.json digest)."""
-    config_json = Path(directory).absolute() / "config.json"
-    if not config_json.is_file():
-        raise StoreError(f"--from-hf {directory}: no config.json there; not a Hugging Face checkpoint folder")
-    return {"from": "huggingface", "path": str(config_json.parent), "config_sha256": sha256_file(config_json)}
-
-
-def default_run_id(config: AlignmentConfig) -> str:
-    return new_run_id(config.model.name)
-
-
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock on ``path`` (a lock file), so two runs never build the same dataset at once."""
@@ -67,36 +50,36 @@ def _locked(path: Path) -> Iterator[None]:
 
 def shared_dataset(store: RunStore, vocab_size: int) -> DatasetFiles:
     """The shipped corpus prepared for ``vocab_size`` in ``<store>/datasets/<vocab>/``, built once for all runs."""
-    from crossalign.data.prepare import prepare_dataset
-
     out_dir = store.dataset_dir(vocab_size)
     with _locked(out_dir.with_name(f"{out_dir.name}.lock")):
         return prepare_dataset(out_dir, vocab_size)
 
 
-def prepare_run(store: RunStore, config_name: str | Path, *, run_id: str | None = None,
-                overrides: list[str] | tuple[str, ...] = (), dataset: DatasetFiles | None = None,
-                mode: str = "embedded", from_hf: Path | None = None) -> Run:
+def prepare_run(resolved: ResolvedRequest) -> Run:
     """Create the run (or reopen it with the same config), with its dataset recorded in run.json.
 
-    ``mode`` (embedded or distributed) is recorded when the run is created, so that a later
-    ``crossalign rerun`` redoes steps the same way. ``from_hf``: step 1 imports this Hugging
-    Face checkpoint instead of training from a random init (recorded as the run's start).
+    The request's ``mode`` (embedded or distributed) is recorded when the run is created, so that a
+    later ``crossalign rerun`` redoes steps the same way; its start (``from_hf``: step 1 imports that
+    Hugging Face checkpoint instead of training from a random init) is the run's. A request
+    without a config reopens the run as it is.
     """
-    config, path = resolve_config(config_name, overrides)
-    run_id = run_id or default_run_id(config)
-    parameters = {"config": str(config_name), "overrides": list(overrides), "mode": mode,
-                  "dataset": None if dataset is None else {"prefix": str(dataset.prefix),
-                                                           "tokenizer": str(dataset.tokenizer)}}
-    if store.exists(run_id):
-        existing = store.run(run_id).info.get("parameters", {})
-        if existing.get("dataset") and dataset is None:
-            parameters["dataset"] = existing["dataset"]
-    run = store.create_run(run_id, config, config_source=str(path), parameters=parameters,
-                           code_version=code_version(), start=None if from_hf is None else hf_start(from_hf))
+    request, store, dataset = resolved.request, resolved.store, resolved.dataset
+    run_id = resolved.run_id
+    if resolved.config is None:
+        run = store.run(run_id)
+    else:
+        parameters = {"config": request.config, "overrides": list(request.overrides), "mode": request.mode,
+                      "dataset": None if dataset is None else {"prefix": str(dataset.prefix),
+                                                               "tokenizer": str(dataset.tokenizer)}}
+        if store.exists(run_id):
+            existing = store.run(run_id).info.get("parameters", {})
+            if existing.get("dataset") and dataset is None:
+                parameters["dataset"] = existing["dataset"]
+        run = store.create_run(run_id, resolved.config, config_source=str(resolved.config_source),
+                               parameters=parameters, code_version=code_version(), start=resolved.start)
     recorded = run.info.get("dataset")
     if recorded is None:
-        files = dataset if dataset is not None else shared_dataset(store, config.model.vocab_size)
+        files = dataset if dataset is not None else shared_dataset(store, run.config.model.vocab_size)
         run.update_info(dataset={"prefix": str(Path(files.prefix).absolute()),
                                  "tokenizer": str(Path(files.tokenizer).absolute()),
                                  "fingerprint": dataset_fingerprint(files),

@@ -1,4 +1,9 @@
-"""What the three training steps share: build the request, pick the backend, commit log and checkpoint.
+"""The training steps (base-train, megatron-train, pynative-train): one function, told apart by their specs.
+
+A step's spec says everything it trains with: its side and pool (the pool's backend in the site
+config), and its input: a step without one trains from a random init for ``base_train_iters``
+(``base``) and saves the checkpoint the next step casts; a step with one trains from that step's
+checkpoint for ``train_iters`` (``align``) and only logs, its log being one side of the comparison.
 
 The two alignment trainings (steps 4 and 5) honour a stop request of the live comparison before
 they start and after every iteration (``crossalign.stop``); a training that ends without
@@ -7,33 +12,34 @@ committing keeps its log in the run's ``live/`` folder.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from crossalign.sides.protocol import Mode, SideName, StepCallback, TrainRequest
+from crossalign.dag import StepSpec
+from crossalign.sides.protocol import StepCallback, TrainRequest
 from crossalign.site import SiteConfig
-from crossalign.store import Run
-from crossalign.tasks.backends import TrainingPool, training_backend
-from crossalign.tasks.command import step_command
 from crossalign.stop import STOPPABLE, check_stop, keep_log, stopping
+from crossalign.store import Run
+from crossalign.tasks.backends import training_backend
+from crossalign.tasks.command import step_command
 
 
-def train_step(run: Run, step: str, *, pool: TrainingPool, side: SideName, mode: Mode, site: SiteConfig,
-               init_checkpoint: Path | None, save: bool, on_step: StepCallback | None) -> dict[str, Any]:
-    backend = training_backend(pool, site)
-    stoppable = step in STOPPABLE
-    with run.commit(step, command=step_command(run, step)) as out:
+def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | None = None) -> dict[str, Any]:
+    backend = training_backend(spec.pool, site)
+    base = not spec.inputs
+    stoppable = spec.name in STOPPABLE
+    with run.commit(spec.name, command=step_command(run, spec.name)) as out:
         if stoppable:
-            check_stop(run, step)
-            on_step = stopping(run, step, on_step)
-        request = TrainRequest(config=run.config, side=side, mode=mode, data=run.dataset, output_dir=out.dir,
-                               init_checkpoint=init_checkpoint, save=save, on_step=on_step,
-                               published_dir=out.final_dir)
+            check_stop(run, spec.name)
+            on_step = stopping(run, spec.name, on_step)
+        request = TrainRequest(config=run.config, side=spec.side, mode="base" if base else "align", data=run.dataset,
+                               output_dir=out.dir,
+                               init_checkpoint=None if base else run.step_dir(spec.inputs[0]) / "checkpoint",
+                               save=base, on_step=on_step, published_dir=out.final_dir)
         try:
             result = backend.train(request)
         except BaseException:
             if stoppable:
-                keep_log(run, step, request.log_path)
+                keep_log(run, spec.name, request.log_path)
             raise
         describe = getattr(backend, "implementation", None)  # the embedded backends say what trains and how
         out.details.update(backend=backend.name, implementation=describe(run.config) if describe else backend.name,
@@ -42,4 +48,4 @@ def train_step(run: Run, step: str, *, pool: TrainingPool, side: SideName, mode:
                            log=result.log_path.relative_to(out.dir).as_posix(),
                            checkpoint=None if result.checkpoint_dir is None
                            else result.checkpoint_dir.relative_to(out.dir).as_posix())
-    return run.manifest(step)
+    return run.manifest(spec.name)
