@@ -37,6 +37,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from crossalign.sides.dump_settings import DumpSettings
+
 SITE_ENV = "CROSSALIGN_SITE"
 STORE_ENV = "CROSSALIGN_STORE"  # overrides the site's store (agents set it for the flow runs they start)
 DEFAULT_SITE_FILE = "crossalign.site.yaml"
@@ -83,6 +85,11 @@ class MindFormersSite(FrameworkSite):
         return tuple(name for name in (self.qwen35_class, self.qwen35_moe_class) if name)
 
 
+class DiagnoseSite(_Strict):
+    dump: DumpSettings | None = Field(default=None, description="msprobe dumps of both real trainings at one "
+                                      "iteration (crossalign rerun --dump turns them on for one re-run)")
+
+
 class SiteConfig(_Strict):
     store: Path = Path("runs")
     backends: dict[Literal["npu", "gpu"], Literal["local", "mindformers", "megatron"]] = Field(
@@ -99,6 +106,7 @@ class SiteConfig(_Strict):
                                          "see iteration_timeout_s")
     iteration_timeout_s: float = Field(default=120.0, gt=0, description="the most one training iteration may "
                                        "take: a step's default timeout is an hour plus this per iteration it trains")
+    diagnose: DiagnoseSite = Field(default_factory=DiagnoseSite)
     fail_fast: bool = Field(default=True, description="stop both alignment trainings as soon as what they logged "
                             "cannot pass any more (false: they always finish and step 6 judges)")
 

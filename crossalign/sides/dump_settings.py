@@ -1,0 +1,46 @@
+"""What an msprobe dump of a training run takes: the site's ``diagnose.dump`` setting and the ``config.json`` it
+becomes for msprobe's ``PrecisionDebugger`` on either side (MindSpore or PyTorch).
+
+```yaml
+diagnose:
+  dump: {step: 1, level: L0, task: statistics, ranks: [0, 1]}
+```
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DumpSettings(BaseModel):
+    """One msprobe dump of both real trainings: which iteration, how deep and how much of each tensor."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: int = Field(default=0, ge=0, description="the training iteration msprobe dumps, counted from 0 as "
+                      "msprobe counts its steps (PrecisionDebugger.step() after each iteration)")
+    level: Literal["L0", "mix"] = Field(default="L0", description="L0: one record per module/cell; mix: modules "
+                                        "and the framework APIs inside them")
+    task: Literal["statistics", "md5", "tensor"] = Field(default="statistics", description="statistics: max, min, "
+                                                         "mean, norm; md5: statistics and a CRC of each tensor; "
+                                                         "tensor: every tensor as .npy")
+    ranks: tuple[int, ...] = Field(default=(), description="the global ranks that dump; empty: every rank")
+
+    def msprobe_config(self, dump_path: str | Path) -> dict:
+        """msprobe's ``config.json`` for this dump, written beside the launch files of a step."""
+        task = "tensor" if self.task == "tensor" else "statistics"
+        section: dict = {"scope": [], "list": [], "data_mode": ["all"]}
+        if task == "statistics":
+            section["summary_mode"] = "md5" if self.task == "md5" else "statistics"
+        return {
+            "task": task,
+            "dump_path": str(dump_path),
+            "rank": list(self.ranks),
+            "step": [self.step],
+            "level": self.level,
+            "enable_dataloader": False,
+            task: section,
+        }
