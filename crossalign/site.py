@@ -37,7 +37,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from crossalign.sides.dump_settings import DumpSettings
+from crossalign.dump_settings import DumpSettings
 
 SITE_ENV = "CROSSALIGN_SITE"
 STORE_ENV = "CROSSALIGN_STORE"  # overrides the site's store (agents set it for the flow runs they start)

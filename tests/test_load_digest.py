@@ -165,7 +165,8 @@ def test_a_folded_expert_layout_is_verified_on_the_folders_its_ranks_load(tmp_pa
     """TP 2 x EP 2 with ETP 1 on two GPUs: the conversion writes four rank folders, the two ranks load two
     (mp_rank_00_000, mp_rank_01_001). Their digests suffice; a missing one of them is named."""
     from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.tensorio.digest import split_stacked_experts, write_digest
+    from crossalign.models.layout import split_stacked_experts
+    from crossalign.tensorio.digest import write_digest
     from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 
     config = load_config("qwen35_moe_tiny", ["parallel.megatron.tensor=2", "parallel.megatron.expert=2",

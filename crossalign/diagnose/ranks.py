@@ -86,7 +86,7 @@ def fit_ranks_to_model(shards: dict, model: ModelConfig, core_version: str, layo
     keys it lacks or holds misshaped take the initial values, keys its part does not have are dropped. Returns one
     line per rank that did not fit, naming its folder and the keys."""
     from crossalign.sides.megatron.checkpoint import rank_dir_name
-    from crossalign.models.torch_model import unstack_expert_weights
+    from crossalign.models.layout import unstack_expert_weights
 
     tp, pp, ep = layout
     expected = _initial_rank_parts(model, core_version, layout)

@@ -144,7 +144,7 @@ def build_megatron(model: ModelConfig, state: Mapping[str, Any], core_version: s
 
 def _load_fitting(net: Any, state: Mapping[str, Any]) -> list[str]:
     """Load every key whose shape fits (after stacked experts are split), skip the rest; name what was skipped."""
-    from crossalign.models.torch_model import unstack_expert_weights
+    from crossalign.models.layout import unstack_expert_weights
 
     expected = net.state_dict()
     incoming = {k: v for k, v in state.items() if not k.endswith("._extra_state")}

@@ -9,10 +9,13 @@ the conversion rules they check.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Mapping
 
-from crossalign.tensorio.errors import CheckpointError
 from crossalign.config import ModelConfig
+from crossalign.tensorio.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[int, ...]
 ExpertForm = Literal["per_expert", "stacked"]
@@ -247,3 +250,28 @@ def random_mindformers_state(model: ModelConfig, seed: int) -> dict:
             tensor = torch.empty(shape).normal_(0.0, std, generator=gen)
         state[name] = tensor
     return state
+
+
+def unstack_expert_weights(state: dict, prefix: str, num_experts: int) -> None:
+    """Replace a stacked ``<prefix>weight`` [E, out, in] in ``state`` by ``<prefix>weight0..weight{E-1}``.
+
+    Megatron's TE grouped experts save one tensor per expert; converters may send the stacked form
+    and rely on a load hook. A tensor of any other shape is left alone (and reported as unexpected).
+    """
+    stacked = state.get(prefix + "weight")
+    if stacked is None or stacked.dim() != 3 or stacked.shape[0] != num_experts:
+        return
+    del state[prefix + "weight"]
+    for index in range(num_experts):
+        state[f"{prefix}weight{index}"] = stacked[index]
+
+
+def split_stacked_experts(state: Mapping[str, torch.Tensor], num_experts: int | None) -> dict[str, torch.Tensor]:
+    """The state with stacked routed experts ([E, out, in] under ``linear_fc{1,2}.weight``) split into
+    ``weight0 .. weight{E-1}``, as TransformerEngine's load hook splits them (and every model holds them)."""
+    out = dict(state)
+    if num_experts is not None:
+        for key in list(out):
+            if key.endswith((".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")):
+                unstack_expert_weights(out, key[: -len("weight")], num_experts)
+    return out

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crossalign.tensorio.mismatch import key_mismatches
 from crossalign.config import ModelConfig
+from crossalign.models.layout import mtp_layer_prefix, unstack_expert_weights
+from crossalign.tensorio.mismatch import key_mismatches
 
 
 class StateDictMismatch(ValueError):
@@ -33,8 +34,6 @@ class StateDictMismatch(ValueError):
 
 def mtp_inner_layer_name(core_version: str) -> str:
     """Attribute of the MTP layer holding its transformer layer: renamed in megatron-core 0.17."""
-    from crossalign.models.layout import mtp_layer_prefix
-
     return mtp_layer_prefix(core_version)
 
 
@@ -249,20 +248,6 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(swiglu(self.linear_fc1(x)))
-
-
-def unstack_expert_weights(state: dict, prefix: str, num_experts: int) -> None:
-    """Replace a stacked ``<prefix>weight`` [E, out, in] in ``state`` by ``<prefix>weight0..weight{E-1}``.
-
-    Megatron's TE grouped experts save one tensor per expert; converters may send the stacked form
-    and rely on a load hook. A tensor of any other shape is left alone (and reported as unexpected).
-    """
-    stacked = state.get(prefix + "weight")
-    if stacked is None or stacked.dim() != 3 or stacked.shape[0] != num_experts:
-        return
-    del state[prefix + "weight"]
-    for index in range(num_experts):
-        state[f"{prefix}weight{index}"] = stacked[index]
 
 
 class GroupedLinear(nn.Module):

@@ -53,19 +53,6 @@ def torch_digests(state: Mapping[str, torch.Tensor]) -> dict[str, dict]:
             for key, value in state.items() if isinstance(value, torch.Tensor) and not key.endswith("_extra_state")}
 
 
-def split_stacked_experts(state: Mapping[str, torch.Tensor], num_experts: int | None) -> dict[str, torch.Tensor]:
-    """The state with stacked routed experts ([E, out, in] under ``linear_fc{1,2}.weight``) split into
-    ``weight0 .. weight{E-1}``, as TransformerEngine's load hook splits them (and every model holds them)."""
-    from crossalign.models.torch_model import unstack_expert_weights
-
-    out = dict(state)
-    if num_experts is not None:
-        for key in list(out):
-            if key.endswith((".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight")):
-                unstack_expert_weights(out, key[: -len("weight")], num_experts)
-    return out
-
-
 def write_digest(path: Path, tensors: Mapping[str, dict], **fields) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**fields, "tensors": dict(tensors)}, indent=1, sort_keys=True))

@@ -41,7 +41,8 @@ def verify_load_digest(digest_dir: Path, checkpoint: Path, config: AlignmentConf
     are split per expert, as TE's load hook splits them. Raises :class:`LoadDigestError` naming every
     missing, extra, renamed or different tensor; returns how many tensors were verified.
     """
-    from crossalign.tensorio.digest import LoadDigestError, compare_loaded, read_digest, split_stacked_experts
+    from crossalign.tensorio.digest import LoadDigestError, compare_loaded, read_digest
+    from crossalign.models.layout import split_stacked_experts
     from crossalign.sides.megatron.checkpoint import MODEL_FILE, find_iteration_dir, loaded_rank_folders
     from crossalign.sides.megatron.te_local import local_to_te_names
 

@@ -106,7 +106,7 @@ def core_differences(checkout: Path) -> list[str]:
 
 def write_local_checkpoint(init: Path, folder: Path, run: Run) -> Path:
     """The converted checkpoint under megatron-core's local-module names (what the CPU model holds)."""
-    from crossalign.tensorio.digest import split_stacked_experts
+    from crossalign.models.layout import split_stacked_experts
     from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint, write_megatron_checkpoint
     from crossalign.sides.megatron.te_local import te_to_local
 

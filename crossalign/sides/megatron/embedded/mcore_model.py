@@ -226,7 +226,7 @@ def load_converted_state(net, state: Mapping[str, torch.Tensor], model: ModelCon
     first, as TE's load hook does. Raises :class:`McoreLoadError` naming every missing,
     unexpected or misshaped key before anything is copied.
     """
-    from crossalign.models.torch_model import unstack_expert_weights
+    from crossalign.models.layout import unstack_expert_weights
 
     shard = shard or Shard()
     incoming = shard_state(state, model, shard)

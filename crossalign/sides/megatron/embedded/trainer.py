@@ -122,7 +122,8 @@ def verify_loaded(net, state: Mapping[str, torch.Tensor], request: TrainRequest)
     The model holds megatron-core's local names (mapped back to the checkpoint's TE names) in its
     own dtype (under bf16 the checkpoint's tensors are compared rounded to bf16).
     """
-    from crossalign.tensorio.digest import compare_loaded, split_stacked_experts, torch_digests
+    from crossalign.tensorio.digest import compare_loaded, torch_digests
+    from crossalign.models.layout import split_stacked_experts
     from crossalign.sides.megatron.te_local import local_to_te_names
 
     config = request.config
