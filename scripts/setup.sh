@@ -33,7 +33,7 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".[${extras}]"
 
 if [[ "$extras" == *dev* ]]; then
-    # The MindFormers releases whose own code the tests run (tests/mindformers_upstream.py): wheels only,
+    # The MindFormers releases whose own code the tests run (tests/helpers/mindformers_upstream.py): wheels only,
     # without their dependencies (MindFormers pins other MindSpore versions; the project's MindSpore runs them).
     wheels=.cache/mindformers-wheels
     mkdir -p "$wheels"

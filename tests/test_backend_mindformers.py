@@ -9,22 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
-from crossalign.data.files import DatasetFiles
-from crossalign.sides.protocol import TrainRequest
 from crossalign.sides.launch import BackendRunError, BackendSetupError
 from crossalign.sides.mindformers.backend import MindFormersBackend
 from crossalign.sides.mindformers.log_checks import expected_transformer_config, parse_step_line, read_transformer_config, verify_built_model, verify_mindformers_log, verify_transformer_config
 from crossalign.sides.mindformers.yaml import mindformers_yaml
-from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.config import load_config
 from crossalign.sides.mindformers.log_parser import parse_mindformers_log
 from crossalign.patching import apply_patch, load_patch
 from crossalign.site import MindFormersSite, SiteConfig
+from helpers.mindformers_backend import FIXTURES, request_for, site_for
 
-FIXTURES = Path(__file__).parent / "fixtures"
 SPEC_LINE = ("2026-11-29 15:28:32,602 - mindformers/out/log[mindformers/pynative/callback/loss_callback.py:337] - INFO - "
              "{ step:[    2/ 1000], consumed_samples: 16, global_batch_size: 8, loss:  11.912346, per_step_time:   1530ms, "
              "load_balancing_loss:   1.012300, mtp_1_loss:  12.360000, lr: 9.900000e-05, grad_norm:   3.123457, "
@@ -155,38 +151,12 @@ def test_release_branch_lines_are_read_like_master_ones(tmp_path: Path):
         verify_mindformers_log(log, steps=3, loaded=True, exit_status=0, mtp=False)
 
 
-def small_checkpoint(root: Path) -> Path:
-    """A two-tensor checkpoint 2.0 for the stand-in run_mindformer.py to load (its network is the checkpoint's)."""
-    if not root.exists():
-        generator = torch.Generator().manual_seed(0)
-        tensors = {name: torch.randn(8, 4, generator=generator)
-                   for name in ("embedding.word_embeddings.weight", "output_layer.weight")}
-        write_mindformers_checkpoint(root, 0, tensors, None, default_common(0, 4))
-    return root
-
-
-def request_for(tmp_path: Path, mode: str, steps: list) -> TrainRequest:
-    config = load_config("qwen35_dense_tiny")
-    if mode == "align":
-        small_checkpoint(tmp_path / "bf16")
-    return TrainRequest(config=config, side="mindformers", mode=mode,  # type: ignore[arg-type]
-                        data=DatasetFiles(prefix=tmp_path / "data" / "corpus_text_document",
-                                          tokenizer=tmp_path / "tokenizer.json"),
-                        output_dir=tmp_path / f"{mode}-train",
-                        init_checkpoint=tmp_path / "bf16" if mode == "align" else None,
-                        on_step=lambda step, total, metrics: steps.append((step, total, metrics.get("mtp_1_loss"))))
-
-
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
     root = tmp_path / "mindformers-checkout"
     shutil.copytree(FIXTURES / "mindformers_tree", root)
     apply_patch(load_patch("mindformers-load-digest"), root)  # the stand-in trainer records what it loaded
     return root
-
-
-def site_for(checkout: Path, **env: str) -> SiteConfig:
-    return SiteConfig(mindformers=MindFormersSite(path=checkout, python=sys.executable, nproc_per_node=1, env=env))
 
 
 @pytest.mark.timeout(60)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, stop_process, training_processes, training_writing_pid
-from test_live import RUN_TIMEOUT_S as LIVE_RUN_TIMEOUT_S, TINY as LIVE_TINY, _faulty_run
+from crossalign.agents.server import free_port, stop_process
+from helpers.processes import training_processes, training_writing_pid
+from helpers.faulty_runs import FAULT, RUN_TIMEOUT_S as LIVE_RUN_TIMEOUT_S, TINY as LIVE_TINY, faulty_run
 from crossalign.agents.server import local_agents
 from crossalign.dag import STEPS
 from crossalign.store import RunStore
@@ -311,7 +312,7 @@ def test_fail_fast_through_the_deployments(stack, prefect_client_settings):
     from crossalign.stop import read_stop
 
     overrides = [*LIVE_TINY, "training.train_iters=200"]
-    run = _faulty_run({"store": stack["store"], "env": stack["env"]}, "fault-dist", overrides)
+    run = faulty_run({"store": stack["store"], "env": stack["env"]}, "fault-dist", overrides, FAULT, LIVE_RUN_TIMEOUT_S)
     parent = run_deployment("alignment/dense-tiny", timeout=0, parameters={
         "run_id": "fault-dist", "overrides": overrides, "store": str(stack["store"]), "poll_interval_s": 0.5})
     with get_client(sync_client=True) as client:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pynative_writing_pid
+from helpers.processes import pynative_writing_pid
 from crossalign.dag import STEP_NAMES
 from crossalign.store import MANIFEST, RunStore, sha256_file
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import make_hf_checkpoint
+from helpers.hf_tiny import make_hf_checkpoint
 
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.tensorio.errors import CheckpointError

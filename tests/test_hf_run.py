@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hf_tiny import make_hf_checkpoint
+from helpers.hf_tiny import make_hf_checkpoint
 
 from crossalign.checkpoint.hf import read_hf_checkpoint
 from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint

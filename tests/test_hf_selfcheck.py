@@ -3,7 +3,7 @@ four implementations on the tiny dense and MoE configs, and the CLI's --hf."""
 
 import pytest
 import torch
-from hf_tiny import make_hf_checkpoint
+from helpers.hf_tiny import make_hf_checkpoint
 from typer.testing import CliRunner
 
 from crossalign.cli import app

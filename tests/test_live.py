@@ -22,12 +22,9 @@ from crossalign.logs import parse_log_text
 from crossalign.logs.synthetic import megatron_lines, mindformers_lines
 from crossalign.report.compare import CompareOptions, build_summary
 from crossalign.report.live import GrowingLog, decide
+from helpers.faulty_runs import FAULT, RUN_TIMEOUT_S, TINY, faulty_run
 
 CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))
-TINY = ["training.base_train_iters=3", "training.lr_warmup_iters=2", "training.seq_length=64",
-        "training.global_batch_size=2", "training.micro_batch_size=2"]
-FAULT = "dense_fc1_not_deinterleaved"  # a value fault: the checkpoint loads strictly, every loss is off
-RUN_TIMEOUT_S = 600
 OPTIONS = CompareOptions(megatron_core_version="0.16.1", log_interval=1, mtp_expected=True, plot=False)
 
 
@@ -118,26 +115,6 @@ def _sets(overrides: list[str]) -> list[str]:
     return [arg for override in overrides for arg in ("--set", override)]
 
 
-def _faulty_run(embedded, run_id: str, overrides: list[str]):
-    """A run whose steps 1 and 2 are done as usual and whose step 3 committed a conversion with ``FAULT``."""
-    from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.request import RunRequest
-    from crossalign.tasks.command import step_argv, step_command
-    from crossalign.tasks.prepare import prepare_run
-
-    run = prepare_run(RunRequest(config="qwen35_dense_tiny", run_id=run_id, overrides=overrides,
-                                 store=str(embedded["store"]), mode="embedded").resolve())
-    for step in ("base-train", "cast-bf16"):
-        done = subprocess.run(step_argv(str(run.store.root), run_id, step, embedded=True), env=embedded["env"],
-                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        assert done.returncode == 0, done.stdout + done.stderr
-    config = run.config
-    with run.commit("convert", command=step_command(run, "convert")) as out:
-        convert_checkpoint(config.model, "ms2mg", run.step_dir("cast-bf16") / "checkpoint", out.dir / "checkpoint",
-                           core_version=config.training.megatron_core_version, fault=FAULT)
-    return run
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -174,7 +151,7 @@ def test_a_conversion_fault_stops_a_200_step_run_within_its_first_steps(embedded
     from crossalign.stop import kept_log_path, read_stop
 
     overrides = [*TINY, "training.train_iters=200"]
-    run = _faulty_run(embedded, "fault", overrides)
+    run = faulty_run(embedded, "fault", overrides, FAULT, RUN_TIMEOUT_S)
     started = time.monotonic()
     proc = subprocess.Popen([CROSSALIGN, "run", "qwen35_dense_tiny", "--store", str(run.store.root), "--run-id",
                              "fault", *_sets(overrides)], env=embedded["env"], cwd=embedded["root"],

@@ -238,7 +238,7 @@ def test_megatron_core_trains_as_the_reference_trainer(tmp_path):
 
 def test_bf16_computes_in_bf16_and_updates_fp32_main_weights(tmp_path):
     """training.embedded_precision bf16 is megatron-core's --bf16 on CPU: Float16Module and the fp32-main optimizer."""
-    from test_torch_trainer import config_with
+    from helpers.embedded import config_with
 
     model = load_config("qwen35_dense_tiny").model
     mg = {key: value.to(torch.bfloat16)
@@ -301,7 +301,7 @@ def write_indexed_dataset(prefix: Path, vocab: int, documents: int = 40, seed: i
 
 
 def test_backend_trains_from_a_bf16_megatron_checkpoint_on_the_megatron_sample_order(tmp_path):
-    from test_torch_trainer import config_with, initial_state, iteration_lines
+    from helpers.embedded import config_with, initial_state, iteration_lines
 
     from crossalign.sides.megatron.embedded.trainer import LocalMegatronBackend
     from crossalign.sides.megatron.checkpoint import write_megatron_checkpoint

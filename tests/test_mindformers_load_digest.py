@@ -7,7 +7,7 @@ the checkpoint it gave. Here: the patch fits each release's real trainer.py; the
 backend (the stand-in run_mindformer.py of tests/fixtures) fails without the record and names a renamed
 tensor; and the recording code,
 run on MindSpore after MindFormers 2.1.0's own ``load_checkpoint`` of a checkpoint crossalign wrote
-in the layout that release builds (tests/mindformers_digest_driver.py), is accepted for the right
+in the layout that release builds (tests/helpers/mindformers_digest_driver.py), is accepted for the right
 checkpoint and names a renamed and a missing expert tensor.
 """
 
@@ -33,12 +33,11 @@ from crossalign.models.layout import mindformers_buffers
 from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.config import load_config
 from crossalign.patching import apply_patch, check_patch, load_patch
-from mindformers_upstream import STUB, TIMEOUT_S, unpacked
-from test_backend_mindformers import FIXTURES, request_for, site_for
-from test_mindformers_upstream import _expected_public, generated
+from helpers.mindformers_backend import FIXTURES, request_for, site_for
+from helpers.mindformers_upstream import STUB, TIMEOUT_S, expected_public, generated, unpacked
 
 TRAINER = "mindformers/pynative/trainer/trainer.py"
-DRIVER = Path(__file__).resolve().parent / "mindformers_digest_driver.py"
+DRIVER = Path(__file__).resolve().parent / "helpers" / "mindformers_digest_driver.py"
 MODEL = "qwen35_moe_tiny"
 RENAMED = ("decoder.layers.1.mlp.experts.weight1", "decoder.layers.1.mlp.experts.weight_1")
 MISSING = "decoder.layers.3.mlp.experts.weight2"
@@ -85,7 +84,7 @@ def checkpoint_state(seed: int = 1234) -> dict[str, torch.Tensor]:
     buffers = set(mindformers_buffers(load_config(MODEL).model))
     return {name: (torch.randint(0, 100, shape, generator=generator).float() if name in buffers
                    else 0.02 * torch.randn(shape, generator=generator))
-            for name, shape in sorted(_expected_public(MODEL).items())}
+            for name, shape in sorted(expected_public(MODEL).items())}
 
 
 def faulty(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

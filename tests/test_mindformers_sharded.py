@@ -4,7 +4,7 @@ mg2ms ``--tp N`` writes the MindFormers checkpoint as N ranks save it: one
 ``<prefix>-model-<rank>-<N>.safetensors`` each and ``metadata.json``
 (``crossalign/sides/mindformers/checkpoint.py``: ``sharded_metadata``, storage slices by
 ``mindformers_split_dim``). Two things are held against MindFormers' code, run in a subprocess
-(tests/mindformers_upstream.py, tests/mindformers_driver.py):
+(tests/helpers/mindformers_upstream.py, tests/helpers/mindformers_driver.py):
 
 - (a) its ``load_checkpoint`` (2.1.0 ``checkpoint/checkpoint.py:555``, 2.0.0 ``:469``) loads the
   N-rank output into a single-card pynative network bit for bit as it loads the single-rank output
@@ -54,7 +54,7 @@ from crossalign.sides.mindformers.checkpoint import DEFAULT_PREFIX, METADATA, de
 from crossalign.sides.megatron.sharding import mindformers_split_dim, shard_tensor
 from crossalign.checkpoint.rules import Fuse, TransposeExperts, conversion_plan
 from crossalign.config import ModelConfig, load_config
-from mindformers_upstream import RELEASES, run_driver
+from helpers.mindformers_upstream import RELEASES, run_driver
 
 MODELS = ("qwen35_dense_tiny", "qwen35_moe_tiny")
 RANKS = 2  # mg2ms --tp: the most that the tiny shapes divide

@@ -1,6 +1,6 @@
 """MindFormers' own code (the 2.0.0 and 2.1.0 wheels, and 1.9.0's loader) on what crossalign generates.
 
-Each release runs once, in a subprocess (tests/mindformers_upstream.py, tests/mindformers_driver.py):
+Each release runs once, in a subprocess (tests/helpers/mindformers_upstream.py, tests/helpers/mindformers_driver.py):
 its pynative TrainConfig loader on the generated YAMLs, its config converter, its pynative GPTModel
 built from the generated model section, its LossCallback and its NaN-skip warning. The tests then
 hold crossalign's readers and checks against what it printed and built.
@@ -18,15 +18,15 @@ import torch
 from safetensors.torch import load_file
 
 from crossalign.sides.launch import BackendRunError, BackendSetupError
-from crossalign.sides.mindformers.yaml import mindformers_yaml, dump_yaml
+from crossalign.sides.mindformers.yaml import mindformers_yaml
 from crossalign.sides.mindformers.log_checks import verify_built_model, verify_mindformers_log, verify_transformer_config
-from crossalign.models.layout import mindformers_buffers, mindformers_shapes
+from crossalign.models.layout import mindformers_buffers
 from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
 from crossalign.tensorio.safetensors_io import read_header
 from crossalign.config import load_config
 from crossalign.patching import apply_patch, load_patch
 from crossalign.sides.mindformers.log_parser import parse_mindformers_log
-from mindformers_upstream import RELEASES, run_driver
+from helpers.mindformers_upstream import RELEASES, expected_public, generated, run_driver
 
 MODELS = ("qwen35_moe_tiny", "qwen35_dense_tiny")
 LR = {"learning_rate": 3e-3, "warmup_steps": 5, "warmup_lr_init": 0.0, "total_steps": 10}  # 3e-3 * s / 5 in warm-up
@@ -67,13 +67,6 @@ FORK_CLASSES = {"passes": "PyNativeQwen35ForCausalLM", "full": "PyNativeQwen35Mo
 # Only a fork's TransformerConfig has these (public MindFormers has no Qwen3.5): the readback names them.
 FORK_FIELDS = {"attention_output_gate", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
                "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"}
-
-
-def generated(tmp: Path, name: str, mode: str = "align") -> str:
-    config = load_config(name)
-    kwargs = {"load_dir": "/ckpt"} if mode == "align" else {"save_dir": "/out"}
-    data = mindformers_yaml(config, mode=mode, data_prefix="/data/p", **kwargs)
-    return str(dump_yaml(data, tmp / f"{name}_{mode}.yaml"))
 
 
 def fork_module(root: Path) -> str:
@@ -156,28 +149,11 @@ def test_hidden_act_swiglu_fails_the_pynative_build(release):
     assert "Activation 'swiglu' is not supported" in result["variants"]["swiglu"]["error"]
 
 
-def _expected_public(name: str) -> dict[str, tuple[int, ...]]:
-    """crossalign's MindFormers layout of the model, as public MindFormers can build it: every layer is
-    full attention (no GatedDeltaNet) and linear_qkv has no output-gate rows (nh * head_dim fewer)."""
-    m = load_config(name).model
-    expected = {**mindformers_shapes(m), **mindformers_buffers(m)}
-    first = f"decoder.layers.{m.layer_kinds.index('attention')}."
-    attention = {key.removeprefix(first): shape for key, shape in expected.items()
-                 if key.startswith(first + "self_attention.")}
-    out = {key: shape for key, shape in expected.items()
-           if not (key.startswith("decoder.layers.") and ".self_attention." in key)}
-    for i in range(m.num_layers):
-        out.update({f"decoder.layers.{i}.{key}": shape for key, shape in attention.items()})
-    gate_rows = m.num_attention_heads * m.kv_channels
-    return {key: (shape[0] - gate_rows, shape[1]) if key.endswith("linear_qkv.weight") else shape
-            for key, shape in out.items()}
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_the_built_modules_have_the_names_and_shapes_the_conversion_expects(release, name):
     _, result, _ = release
     built = {key: tuple(shape) for key, (shape, _) in result["models"][name]["parameters"].items()}
-    assert built == _expected_public(name)
+    assert built == expected_public(name)
     if load_config(name).model.is_moe:
         assert any(".mlp.shared_experts.shared_experts_gate." in key for key in built)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, stop_process
+from crossalign.agents.server import free_port, stop_process
 from crossalign.report.serve import store_url
 
 CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, stop_process
+from crossalign.agents.server import free_port, stop_process
 from crossalign.agents.ssh import HostKeyRejected, SshConnectionError, SshRunner
 from crossalign.flows.launch import classify
 from crossalign.site import SshHost

@@ -14,28 +14,9 @@ from crossalign.sides.protocol import TrainRequest
 from crossalign.models.torch_model import Qwen35Model, StateDictMismatch
 from crossalign.sides.megatron.embedded.torch_trainer import _optimizer, megatron_lr, run_training
 from crossalign.config import load_config
-
-LINE = re.compile(
-    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\] iteration +(?P<it>\d+)/ +(?P<total>\d+) \|"
-    r" consumed samples: +(?P<consumed>\d+) \| elapsed time per iteration \(ms\): [0-9.]+ \|"
-    r" learning rate: (?P<lr>[0-9.]+E[+-]\d+) \| global batch size: +(?P<gbs>\d+) \|"
-    r" lm loss: (?P<lm>[0-9.]+E[+-]\d+) \|(?: load_balancing_loss: (?P<aux>[0-9.]+E[+-]\d+) \|)?"
-    r" mtp_1 loss: (?P<mtp>[0-9.]+E[+-]\d+) \| loss scale: 1\.0 \| grad norm: (?P<grad>[0-9.]+) \|"
-    r" number of skipped iterations: +0 \| number of nan iterations: +0 \|$"
-)
-
+from helpers.embedded import config_with, initial_state, iteration_lines
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def config_with(name: str, **training):
-    config = load_config(name)
-    return config.model_copy(update={"training": config.training.model_copy(update=training)})
-
-
-def initial_state(config, seed=3):
-    torch.manual_seed(seed)
-    return Qwen35Model(config.model, config.training.megatron_core_version).state_dict()
 
 
 def random_batches(config, iterations, seed=0, repeat=False):
@@ -54,12 +35,6 @@ def train(tmp_path: Path, config, batches, state=None, name="run"):
                            on_step=lambda step, total, values: metrics.append(values))
     result = run_training(request, state if state is not None else initial_state(config), 7, batches)
     return result.log_path.read_text().splitlines(), metrics
-
-
-def iteration_lines(lines):
-    matches = [LINE.match(line) for line in lines if " iteration " in line and "loss" in line]
-    assert all(matches), [line for line, m in zip(lines, matches) if not m]
-    return matches
 
 
 def test_megatron_lr_warmup_counts_from_iteration_one():

@@ -1,5 +1,5 @@
 """A stand-in for ``hyper_parallel`` (Huawei's parallel library, not on PyPI), so that MindFormers' own
-pynative code imports and runs on one CPU card in the tests (tests/mindformers_upstream.py).
+pynative code imports and runs on one CPU card in the tests (tests/helpers/mindformers_upstream.py).
 
 It stubs exactly the names listed in ``STUBBED`` below, the ones MindFormers 1.9.0, 2.0.0 and 2.1.0
 import at start-up on the paths the tests run (config loading, the config converter, the pynative

@@ -2,7 +2,7 @@
 
 Started by tests/test_mindformers_load_digest.py in a subprocess whose PYTHONPATH starts with an
 unpacked MindFormers wheel and the ``hyper_parallel`` stand-in. For each case of the job: the
-pynative GPTModel built from the YAML's model section (as tests/mindformers_driver.py builds it),
+pynative GPTModel built from the YAML's model section (as tests/helpers/mindformers_driver.py builds it),
 ``mindformers.checkpoint.checkpoint.load_checkpoint`` of the case's checkpoint into it (weights only,
 as the align run loads), then ``Trainer._crossalign_write_load_digest`` of the trainer.py the
 mindformers-load-digest patch was applied to, with CROSSALIGN_LOAD_DIGEST_DIR set to the case's

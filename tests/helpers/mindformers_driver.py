@@ -1,4 +1,4 @@
-"""Runs MindFormers' own code on what crossalign generates; started by tests/mindformers_upstream.py.
+"""Runs MindFormers' own code on what crossalign generates; started by tests/helpers/mindformers_upstream.py.
 
 Runs in a subprocess whose PYTHONPATH starts with an unpacked MindFormers wheel and the
 ``hyper_parallel`` stand-in. Reads a job (JSON) naming the tasks, writes their results (JSON).

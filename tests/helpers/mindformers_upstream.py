@@ -20,10 +20,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from crossalign.config import load_config
+from crossalign.models.layout import mindformers_buffers, mindformers_shapes
+from crossalign.sides.mindformers.yaml import dump_yaml, mindformers_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / ".cache" / "mindformers-wheels"
 UNPACKED = ROOT / ".cache" / "mindformers"
-STUB = Path(__file__).resolve().parent / "mindformers_stub"
+STUB = Path(__file__).resolve().parents[1] / "mindformers_stub"
 DRIVER = Path(__file__).resolve().parent / "mindformers_driver.py"
 RELEASES = ("2.0.0", "2.1.0")  # the releases crossalign supports (training.mindformers_version)
 TIMEOUT_S = 600
@@ -67,3 +71,27 @@ def run_driver(version: str, job: dict, workdir: Path, tree: Path | None = None)
         tail = "".join(log_file.read_text(errors="replace").splitlines(keepends=True)[-40:])
         raise AssertionError(f"MindFormers {version} driver exited with status {status}:\n{tail}")
     return json.loads(result_file.read_text()), log_file
+
+
+def generated(tmp: Path, name: str, mode: str = "align") -> str:
+    config = load_config(name)
+    kwargs = {"load_dir": "/ckpt"} if mode == "align" else {"save_dir": "/out"}
+    data = mindformers_yaml(config, mode=mode, data_prefix="/data/p", **kwargs)
+    return str(dump_yaml(data, tmp / f"{name}_{mode}.yaml"))
+
+
+def expected_public(name: str) -> dict[str, tuple[int, ...]]:
+    """crossalign's MindFormers layout of the model, as public MindFormers can build it: every layer is
+    full attention (no GatedDeltaNet) and linear_qkv has no output-gate rows (nh * head_dim fewer)."""
+    m = load_config(name).model
+    expected = {**mindformers_shapes(m), **mindformers_buffers(m)}
+    first = f"decoder.layers.{m.layer_kinds.index('attention')}."
+    attention = {key.removeprefix(first): shape for key, shape in expected.items()
+                 if key.startswith(first + "self_attention.")}
+    out = {key: shape for key, shape in expected.items()
+           if not (key.startswith("decoder.layers.") and ".self_attention." in key)}
+    for i in range(m.num_layers):
+        out.update({f"decoder.layers.{i}.{key}": shape for key, shape in attention.items()})
+    gate_rows = m.num_attention_heads * m.kv_channels
+    return {key: (shape[0] - gate_rows, shape[1]) if key.endswith("linear_qkv.weight") else shape
+            for key, shape in out.items()}
