@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from crossalign.sides.megatron.load_digest import verify_load_digest
-from crossalign.tensorio.digest import (LoadDigestError, compare_loaded, numpy_sha256, torch_digests,
+from crossalign.tensorio.errors import LoadDigestError
+from crossalign.tensorio.digest import (compare_loaded, numpy_sha256, torch_digests,
                                           torch_sha256)
 from crossalign.models.layout import megatron_shapes, random_mindformers_state
 from crossalign.sides.megatron.checkpoint import write_megatron_checkpoint
@@ -201,6 +202,7 @@ def _launcher_writes_its_digest(rank: int, world: int, folder: str, sizes: dict)
         launcher.write_load_digest([torch.nn.Linear(2, 2)], f"{folder}/load_digest")
 
 
+@pytest.mark.slow
 def test_the_launcher_names_each_digest_after_the_folder_its_ranks_load(tmp_path: Path):
     """patches/megatron/pretrain_qwen35.py at TP 2 x EP 2 with ETP 1 on two ranks: one file per folder a rank
     loads, with its expert rank (mp_rank_00_000, mp_rank_01_001), as the step's verification asks for them."""

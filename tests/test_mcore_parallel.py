@@ -118,6 +118,7 @@ def errors(ours: np.ndarray, mindspore: np.ndarray) -> tuple[float, float]:
     return float(diff[0]), float(diff.mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_each_layout_trains_from_its_own_checkpoint_as_the_one_process_run(name, sides, capsys):
     _, _, _, mindspore = sides(name)
@@ -149,6 +150,7 @@ def test_each_layout_trains_from_its_own_checkpoint_as_the_one_process_run(name,
                   f"max {vs_single:.1e} vs TP 1")
 
 
+@pytest.mark.slow
 def test_tensor_parallel_without_sequence_parallel_lets_gdn_out_norm_replicas_drift(sides):
     """megatron-core 0.16.1 sums over the tensor ranks the grads of sequence-parallel weights and of q/k_layernorm
     only (megatron/core/distributed/finalize_model_grads.py:354-356): GatedDeltaNet's out_norm, replicated but fed
@@ -212,6 +214,7 @@ def test_each_data_parallel_rank_takes_its_micro_batches_as_megatrons_sampler_de
     assert [t.view(-1).tolist() for t in data_parallel_share(tokens, 2, 1, 0)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+@pytest.mark.slow
 def test_a_rank_that_loaded_other_tensors_than_its_file_holds_fails_naming_the_tensor_and_the_rank_file(tmp_path):
     """EP 2: each rank records what it loaded and the printing rank holds every record against that rank's own
     file of the sharded checkpoint, before the first step. Here the run is handed the full state while its

@@ -28,7 +28,7 @@ import torch
 from crossalign.sides.launch import BackendRunError
 from crossalign.sides.mindformers.backend import MindFormersBackend
 from crossalign.sides.mindformers.load_digest import verify_load_digest
-from crossalign.tensorio.digest import LoadDigestError
+from crossalign.tensorio.errors import LoadDigestError
 from crossalign.models.layout import mindformers_buffers
 from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.config import load_config

@@ -211,6 +211,7 @@ def test_mg2ms_refuses_four_ranks_of_the_tiny_models(tmp_path):
         convert_checkpoint(model, "mg2ms", tmp_path / "mg", tmp_path / "ms4", tp=4)
 
 
+@pytest.mark.slow
 def test_the_two_rank_output_loads_bit_for_bit_as_the_single_rank_one(loaded):
     """(a): load_checkpoint of the 2-rank output into a single-card network equals its load of the
     single-rank output, tensor for tensor and bit for bit, and both are the weights converted."""

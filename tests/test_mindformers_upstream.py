@@ -218,6 +218,7 @@ def test_the_lr_is_corrected_for_steps_skipped_on_nan(release):
     assert math.isnan(lr[0]) and lr[1:] == [printed[0], printed[1]]
 
 
+@pytest.mark.slow
 def test_r190_rejects_the_generated_yaml_and_is_not_supported(tmp_path):
     result, _ = run_driver("1.9.0", {"loads": {"moe": generated(tmp_path, "qwen35_moe_tiny")}}, tmp_path / "work")
     assert "Unknown configuration keys for ParallelismConfig" in result["loads"]["moe"]

@@ -95,3 +95,57 @@ def test_the_step_table_and_the_sides_sit_below_the_store_tasks_and_flows():
     reaching = {module: sorted(i for i in imported if i.startswith(above))
                 for module, imported in graph.items() if module.startswith("crossalign.sides")}
     assert not {module: found for module, found in reaching.items() if found}, reaching
+
+
+# The packages of crossalign from the bottom up: a package imports only from the layers below its own. ``sides``
+# holds both frameworks' folders; neither of those imports the other.
+LAYERS = [
+    {"config", "versions", "patching", "dump_settings", "tensorio", "data"},
+    {"site", "models", "hf_config"},
+    {"sides"},
+    {"dag", "logs", "preflight"},
+    {"store", "checkpoint"},
+    {"stop", "request", "diagnose", "agents"},
+    {"report"},
+    {"tasks"},
+    {"flows"},
+    {"cli"},
+]
+
+
+def package_of(module: str) -> str:
+    """``crossalign.sides.megatron.backend`` -> ``sides``; a module at the top is its own package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        packages.setdefault(package_of(module), set()).update(
+            package_of(i) for i in imported if package_of(i) not in ("", package_of(module)))
+    return packages
+
+
+def test_no_package_imports_one_that_imports_it_back():
+    packages = package_graph(import_graph())
+    assert {"sides", "checkpoint", "diagnose", "tasks", "flows", "cli"} <= set(packages)
+    assert circles(packages) == []
+
+
+def test_every_package_imports_only_from_the_layers_below_it():
+    layer = {package: depth for depth, group in enumerate(LAYERS) for package in group}
+    packages = package_graph(import_graph())
+    unplaced = sorted(set(packages) - set(layer) - {""})
+    assert not unplaced, f"place these packages in LAYERS: {unplaced}"
+    upward = {package: sorted(i for i in imported if layer[i] >= layer[package])
+              for package, imported in packages.items() if package}
+    assert not {package: found for package, found in upward.items() if found}, upward
+
+
+def test_the_two_sides_never_import_each_other():
+    graph = import_graph()
+    for side, other in (("megatron", "mindformers"), ("mindformers", "megatron")):
+        crossing = {module: sorted(i for i in imported if i.startswith(f"crossalign.sides.{other}"))
+                    for module, imported in graph.items() if module.startswith(f"crossalign.sides.{side}")}
+        assert not {module: found for module, found in crossing.items() if found}, crossing

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from crossalign.sides.megatron.embedded import mcore_cpu
-from crossalign.tensorio.digest import LoadDigestError
+from crossalign.tensorio.errors import LoadDigestError
 from crossalign.sides.megatron import rehearsal_cpu as megatron_cpu
 from crossalign.store import RunStore
 

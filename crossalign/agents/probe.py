@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crossalign.agents.pools import FLOW_RUN_PYTHON, POOLS
+from crossalign.patching import PatchError, apply_patch, check_patch, defined_classes, load_patches
+from crossalign.sides.launch import BackendSetupError
+from crossalign.sides.megatron.backend import dataset_helpers_problem, python_mismatch, python_requirement
 from crossalign.site import FrameworkSite, MindFormersSite, SiteConfig
 
 CANN_DEFAULT = Path("/usr/local/Ascend/ascend-toolkit/latest")
@@ -103,8 +106,6 @@ def _checkout(label: str, framework: FrameworkSite, marker: str) -> Check:
 
 def _qwen35_model(framework: MindFormersSite) -> Check:
     """The fork's Qwen3.5 classes (site ``qwen35_class``) exist in the checkout: public MindFormers has none."""
-    from crossalign.patching import defined_classes
-
     label = "MindFormers Qwen3.5 model"
     if not framework.qwen35_classes:
         return Check(label, False, "mindformers.qwen35_class is not set in the site config: name the Qwen3.5 "
@@ -120,8 +121,6 @@ def _qwen35_model(framework: MindFormersSite) -> Check:
 
 def _patches(framework_name: str, framework: FrameworkSite, apply: bool) -> list[Check]:
     """Check (and, with ``apply``, apply) the framework's non-optional patches; a conflict is a failed check."""
-    from crossalign.patching import PatchError, apply_patch, check_patch, load_patches
-
     classes = framework.qwen35_classes if isinstance(framework, MindFormersSite) else ()
     checks = []
     for patch in load_patches(framework_name):
@@ -197,17 +196,12 @@ def _pool_checks(pool: str, site: SiteConfig, apply_patches: bool) -> list[Check
 
 def _dataset_helpers(framework: FrameworkSite) -> Check:
     """Megatron compiles its dataset helpers at start-up with whatever python3 is on PATH: built, or buildable."""
-    from crossalign.sides.megatron.backend import dataset_helpers_problem
-
     problem = dataset_helpers_problem(Path(framework.path).expanduser(), framework.python)  # type: ignore[arg-type]
     return Check("Megatron dataset helpers", problem is None, problem or f"built for {framework.python}")
 
 
 def _megatron_python(framework: FrameworkSite) -> Check:
     """The framework's interpreter against the checkout's requires-python (3.12 from core 0.17)."""
-    from crossalign.sides.launch import BackendSetupError
-    from crossalign.sides.megatron.backend import python_mismatch, python_requirement
-
     checkout = Path(framework.path).expanduser()  # type: ignore[arg-type]
     try:
         mismatch = python_mismatch(checkout, framework.python)

@@ -28,6 +28,7 @@ from typing import Callable
 
 from crossalign.agents.pools import POOLS
 from crossalign.site import SITE_ENV, STORE_ENV, SiteConfig
+from crossalign.agents.automation import install_automations
 
 
 def ensure_pool(name: str) -> bool:
@@ -195,8 +196,6 @@ def deploy(prefect_file: Path) -> dict[str, str]:
     automations, {name: id}: a deployed DAG without the zombie-run automation would wait forever
     on a step whose machine died.
     """
-    from crossalign.agents.automation import install_automations
-
     if not prefect_file.exists():
         raise FileNotFoundError(f"{prefect_file}: no such prefect.yaml")
     for pool in POOLS:

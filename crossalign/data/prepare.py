@@ -22,6 +22,8 @@ from typing import Callable
 
 from crossalign.data.corpus import CORPUS_SHA256, corpus_documents
 from crossalign.data.files import DatasetFiles
+from crossalign.data.mcore import quiet_megatron_import
+from crossalign.data.tokenizer import EOD_TOKEN, eod_id, train_tokenizer
 
 PREFIX_NAME = "corpus_text_document"
 TOKENIZER_NAME = "tokenizer.json"
@@ -85,8 +87,6 @@ def _build(staging: Path, vocab_size: int, report: PrepareProgress) -> dict:
     import numpy
     import tokenizers
 
-    from crossalign.data.mcore import quiet_megatron_import
-    from crossalign.data.tokenizer import EOD_TOKEN, eod_id, train_tokenizer
 
     with quiet_megatron_import():
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder

@@ -16,6 +16,7 @@ import os
 import stat
 from pathlib import Path
 from urllib.parse import quote
+from crossalign.store import RunStore, read_json
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -49,8 +50,6 @@ def _link(relative: str, text: str) -> str:
 
 def runs_index(root: Path) -> str:
     """The root page: every run of the store, newest first, with its verdict and a link to its report."""
-    from crossalign.store import RunStore, read_json
-
     rows = []
     for run in RunStore(root).runs():
         try:

@@ -20,6 +20,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
+from crossalign.site import load_site
 
 LineCallback = Callable[[str], None]
 Runner = Callable[[Path, Path, LineCallback], int]
@@ -146,8 +147,6 @@ class FrameworkBackend:
     @property
     def site(self):
         if self._site is None:
-            from crossalign.site import load_site
-
             self._site = load_site()
         return self._site
 

@@ -23,13 +23,9 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from crossalign.tensorio.errors import CheckpointError
+from crossalign.tensorio.errors import LoadDigestError
 
 SHOWN = 8  # names listed per kind of problem
-
-
-class LoadDigestError(CheckpointError):
-    """The tensors a framework loaded are not the checkpoint's; the message names them."""
 
 
 def torch_sha256(tensor: torch.Tensor) -> str:

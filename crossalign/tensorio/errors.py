@@ -5,3 +5,7 @@ from __future__ import annotations
 
 class CheckpointError(ValueError):
     """A checkpoint problem; the message names the file and the keys involved."""
+
+
+class LoadDigestError(CheckpointError):
+    """The tensors a framework loaded are not the checkpoint's; the message names them."""

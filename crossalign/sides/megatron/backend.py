@@ -47,6 +47,7 @@ from crossalign.patching import PATCH_DIR, megatron_core_version, parse_version
 from crossalign.sides.megatron.args import megatron_args
 from crossalign.sides.megatron.log_checks import parse_iteration_line, verify_megatron_log
 from crossalign.sides.megatron.load_digest import LOAD_DIGEST_DIR, verify_load_digest
+from crossalign.tensorio.errors import LoadDigestError
 
 
 LAUNCHER = PATCH_DIR / "megatron" / "pretrain_qwen35.py"
@@ -284,8 +285,6 @@ class MegatronBackend(FrameworkBackend):
         script = self.write_launch(request)
         on_line = progress_callback(request.on_step, iterations, parse_iteration_line)
         start = time.monotonic()
-        from crossalign.tensorio.digest import LoadDigestError
-
         status = self._runner(script, request.log_path, on_line)
         non_strict = verify_megatron_log(request.log_path, iterations=iterations, loaded=True, exit_status=status)
         try:

@@ -11,19 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-
 from crossalign.config import AlignmentConfig
+from crossalign.models.layout import split_stacked_experts
+from crossalign.sides.megatron.te_local import local_to_te_names
+from crossalign.tensorio.errors import LoadDigestError
 
 if TYPE_CHECKING:
     import torch
-
-
 
 LOAD_DIGEST_DIR = "load_digest"  # the launcher's record of what each rank loaded (CROSSALIGN_LOAD_DIGEST_DIR)
 
 
 def _rank_state(directory: Path, rank: str) -> dict[str, torch.Tensor]:
     """One ``mp_rank_*`` folder's model tensors, as its file holds them (``_extra_state`` left out)."""
+    # torch here, not at the top: the real backend imports this module on agents without torch
     import torch
 
     from crossalign.sides.megatron.checkpoint import MODEL_FILE
@@ -41,10 +42,9 @@ def verify_load_digest(digest_dir: Path, checkpoint: Path, config: AlignmentConf
     are split per expert, as TE's load hook splits them. Raises :class:`LoadDigestError` naming every
     missing, extra, renamed or different tensor; returns how many tensors were verified.
     """
-    from crossalign.tensorio.digest import LoadDigestError, compare_loaded, read_digest
-    from crossalign.models.layout import split_stacked_experts
+    # these load torch: the real backend imports this module on agents without torch
     from crossalign.sides.megatron.checkpoint import MODEL_FILE, find_iteration_dir, loaded_rank_folders
-    from crossalign.sides.megatron.te_local import local_to_te_names
+    from crossalign.tensorio.digest import compare_loaded, read_digest
 
     names = local_to_te_names(config.model, config.training.megatron_core_version)
     layout = config.parallel.megatron

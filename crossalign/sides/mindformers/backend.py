@@ -23,6 +23,7 @@ from crossalign.sides.launch import (
 from crossalign.sides.mindformers.yaml import dump_yaml, mindformers_yaml
 from crossalign.sides.mindformers.log_checks import parse_step_line, verify_built_model, verify_mindformers_log, verify_transformer_config
 from crossalign.sides.mindformers.load_digest import LOAD_DIGEST_DIR, LOAD_DIGEST_ENV, verify_load_digest
+from crossalign.tensorio.errors import CheckpointError
 
 
 RUN_SCRIPT = "run_mindformers.sh"
@@ -127,8 +128,6 @@ class MindFormersBackend(FrameworkBackend):
         verify_built_model(request.log_path, request.config)
         verified = None
         if loaded:
-            from crossalign.tensorio.errors import CheckpointError
-
             try:
                 verified = verify_load_digest(request.output_dir / LOAD_DIGEST_DIR, request.init_checkpoint,
                                               request.config)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 
 from crossalign.config import AlignmentConfig
+from crossalign.tensorio.errors import LoadDigestError
 
 
 
@@ -41,6 +42,7 @@ class _LoadedTensors(Mapping):
     """
 
     def __init__(self, checkpoint_dir: Path):
+        # loads torch: the real backend imports this module on agents without torch
         from crossalign.sides.mindformers.checkpoint import MASTER_PREFIX, read_mindformers_checkpoint
 
         whole = read_mindformers_checkpoint(checkpoint_dir)
@@ -62,7 +64,7 @@ class _LoadedTensors(Mapping):
 
 def _rank_records(digest_dir: Path, cards: int) -> dict[int, tuple[Path, dict[str, dict]]]:
     """Each rank's record (path, tensors); LoadDigestError naming the ranks that wrote none."""
-    from crossalign.tensorio.digest import LoadDigestError, read_digest
+    from crossalign.tensorio.digest import read_digest  # loads torch, which an agent may lack
 
     records = {rank: digest_dir / f"rank_{rank}.json" for rank in range(cards)}
     absent = [rank for rank, path in records.items() if not path.exists()]
@@ -91,7 +93,7 @@ def verify_load_digest(digest_dir: Path, checkpoint: Path, config: AlignmentConf
     tensor fails), but no value is compared, and None is returned. Otherwise returns how many
     tensors were verified. Raises :class:`LoadDigestError` naming every problem.
     """
-    from crossalign.tensorio.digest import LoadDigestError, compare_loaded
+    from crossalign.tensorio.digest import compare_loaded  # loads torch, which an agent may lack
 
     layout = config.parallel.mindformers
     records = _rank_records(digest_dir, layout.world_size)
