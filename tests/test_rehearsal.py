@@ -102,12 +102,14 @@ def embedded_run(store: RunStore, config: str, run_id: str, overrides: tuple[str
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("config", ["qwen35_dense_tiny", "qwen35_moe_tiny"])
 def test_rehearsal_trains_five_iterations_as_the_embedded_run_does(store: RunStore, config: str, tmp_path: Path):
-    from crossalign.sides.megatron.rehearsal import embedded_losses, max_abs_diff, rehearse_gpu
+    from crossalign.cli.rehearse import embedded_losses
+    from crossalign.sides.megatron.rehearsal import max_abs_diff, rehearse_gpu
 
     run = embedded_run(store, config, config.replace("_", "-"))
     shared_cache = Path(run.dataset.prefix).parent / "cache"
     before = sorted(shared_cache.rglob("*")) if shared_cache.exists() else []
-    result = rehearse_gpu(run, Path(CHECKOUT), tmp_path / "gpu")
+    result = rehearse_gpu(run.config, run.dataset, run.step_dir("convert") / "checkpoint", Path(CHECKOUT),
+                          tmp_path / "gpu")
     assert sorted(result.losses) == [1, 2, 3, 4, 5]
     assert result.digest_tensors > 0
     assert result.core_differences == []  # the checkout's megatron/core is the installed wheel's (core_v0.16.1)
@@ -147,7 +149,7 @@ def test_a_renamed_and_a_missing_expert_tensor_fail_the_rehearsal_naming_both(st
     del state[missing]
     write_megatron_checkpoint(tmp_path / "faulty", converted.iteration, state)
     with pytest.raises(LoadDigestError) as caught:
-        rehearse_gpu(run, Path(CHECKOUT), tmp_path / "gpu", init_checkpoint=tmp_path / "faulty")
+        rehearse_gpu(run.config, run.dataset, tmp_path / "faulty", Path(CHECKOUT), tmp_path / "gpu")
     message = str(caught.value)
     assert f"left at its initial value: {renamed}, {missing}" in message
     assert f"never loaded (extra or renamed): {renamed}_renamed" in message
@@ -184,10 +186,12 @@ def test_a_bf16_run_rehearsed_with_its_bf16_trains_in_bf16_on_the_cpu(store: Run
     """--bf16 kept (crossalign rehearse --bf16): Megatron's Float16Module and bf16 optimizer run on the CPU, the load
     digest holds the bf16 parameters against the checkpoint rounded to bf16, and the losses are the embedded
     megatron-core step's in bf16 (training.embedded_precision) where no update has changed the weights yet."""
-    from crossalign.sides.megatron.rehearsal import embedded_losses, max_abs_diff, rehearse_gpu
+    from crossalign.cli.rehearse import embedded_losses
+    from crossalign.sides.megatron.rehearsal import max_abs_diff, rehearse_gpu
 
     run = embedded_run(store, "qwen35_dense_tiny", "dense-tiny-bf16", ("training.embedded_precision=bf16",))
-    result = rehearse_gpu(run, Path(CHECKOUT), tmp_path / "gpu", fp32=False)
+    result = rehearse_gpu(run.config, run.dataset, run.step_dir("convert") / "checkpoint", Path(CHECKOUT),
+                          tmp_path / "gpu", fp32=False)
     assert (result.generated_precision, result.precision) == ("bf16", "bf16")
     assert "--bf16" not in {change.flag for change in result.argument_changes}
     assert "CpuTensorTypesAsCuda" in dict(result.workarounds)

@@ -77,12 +77,13 @@ def rehearse(
 def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32: bool) -> bool:
     from crossalign.sides.launch import BackendRunError, BackendSetupError
     from crossalign.tensorio.errors import CheckpointError
-    from crossalign.sides.megatron.rehearsal import embedded_losses, rehearse_gpu
+    from crossalign.sides.megatron.rehearsal import rehearse_gpu
     from crossalign.sides.megatron.embedded.mcore_cpu import MegatronCpuError
 
     console.print(f"gpu: rehearsing {run.run_id}'s megatron-train launch with {checkout} in {folder} ...")
     try:
-        result = rehearse_gpu(run, checkout, folder, init_checkpoint=checkpoint, fp32=fp32)
+        result = rehearse_gpu(run.config, run.dataset, checkpoint or run.step_dir("convert") / "checkpoint", checkout,
+                              folder, fp32=fp32)
     except (BackendRunError, BackendSetupError, CheckpointError, MegatronCpuError) as exc:
         err_console.print(f"[bold red]gpu rehearsal failed:[/] {exc}", highlight=False, soft_wrap=True)
         err_console.print(f"  log: {folder / 'train.log'}")
@@ -120,10 +121,23 @@ def _npu(run, checkout: Path, python: str, folder: Path) -> bool:
     from crossalign.sides.mindformers.rehearsal import NpuRehearsalError, rehearse_npu
 
     try:
-        result = rehearse_npu(run, checkout, python, folder)
+        result = rehearse_npu(run.config, run.dataset, run.step_dir("cast-bf16") / "checkpoint", checkout, python,
+                              folder)
     except (NpuRehearsalError, BackendSetupError) as exc:
         err_console.print(f"[bold red]npu rehearsal failed:[/] {exc}", highlight=False, soft_wrap=True)
         return False
     console.print(f"npu: {result.yaml} {result.loader} ({checkout}); the model build, load and training need "
                   "the NPU and were not rehearsed")
     return True
+
+
+def embedded_losses(run) -> dict[int, dict[str, float]] | None:
+    """The losses of the run's own megatron-train step where the embedded megatron-core trained it, else None."""
+    from crossalign.sides.megatron.rehearsal import logged_losses
+
+    manifest = run.manifest("megatron-train") or {}
+    details = manifest.get("details", manifest)
+    if details.get("backend") != "local-megatron":
+        return None
+    log = run.step_dir("megatron-train") / "train.log"
+    return logged_losses(log) if log.exists() else None

@@ -32,7 +32,11 @@ from crossalign.sides.megatron.load_digest import LOAD_DIGEST_DIR, verify_load_d
 from crossalign.sides.megatron.log_checks import parse_iteration_line, verify_megatron_log
 from crossalign.sides.megatron import rehearsal_cpu as megatron_cpu
 from crossalign.site import FrameworkSite, SiteConfig
-from crossalign.store import Run
+from crossalign.config import AlignmentConfig
+from crossalign.data.files import DatasetFiles
+from crossalign.models.layout import split_stacked_experts
+from crossalign.patching import megatron_core_version
+from crossalign.sides.megatron.te_local import te_to_local
 
 SCRIPT = "rehearse_megatron.sh"
 LOCAL_CHECKPOINT = "checkpoint_local_names"
@@ -104,19 +108,18 @@ def core_differences(checkout: Path) -> list[str]:
                   or (ours / name).read_bytes() != (installed / name).read_bytes())
 
 
-def write_local_checkpoint(init: Path, folder: Path, run: Run) -> Path:
+def write_local_checkpoint(init: Path, folder: Path, config: AlignmentConfig) -> Path:
     """The converted checkpoint under megatron-core's local-module names (what the CPU model holds)."""
-    from crossalign.models.layout import split_stacked_experts
+    # loads torch, which an agent that only launches Megatron may lack
     from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint, write_megatron_checkpoint
-    from crossalign.sides.megatron.te_local import te_to_local
 
-    model = run.config.model
+    model = config.model
     checkpoint = read_megatron_checkpoint(init, model)
     state = split_stacked_experts(checkpoint.state, model.num_experts)
     target = folder / LOCAL_CHECKPOINT
     shutil.rmtree(target, ignore_errors=True)
     write_megatron_checkpoint(target, checkpoint.iteration,
-                              te_to_local(state, model, run.config.training.megatron_core_version))
+                              te_to_local(state, model, config.training.megatron_core_version))
     return target
 
 
@@ -125,18 +128,19 @@ def _replace_value(args: list[str], flag: str, value: str) -> list[str]:
     return [*args[: index + 1], value, *args[index + 2:]]
 
 
-def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Path | None = None,
+def rehearse_gpu(config: AlignmentConfig, data: DatasetFiles, init_checkpoint: Path, checkout: Path, folder: Path, *,
                  fp32: bool = True, on_line=lambda line: None) -> GpuRehearsal:
-    """Rehearse ``run``'s megatron-train step in ``folder`` with the Megatron-LM ``checkout``; raises on failure."""
+    """Rehearse the megatron-train step of a run of ``config`` on ``data`` from ``init_checkpoint`` (the run's
+    converted checkpoint) in ``folder`` with the Megatron-LM ``checkout``; raises on failure."""
     folder = folder.absolute()
     for previous in (LOCAL_CHECKPOINT, LOAD_DIGEST_DIR, DATA_CACHE_DIR):  # a rehearsal starts from nothing
         shutil.rmtree(folder / previous, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
-    init = Path(init_checkpoint or run.step_dir("convert") / "checkpoint").absolute()
-    site = SiteConfig(store=run.store.root, backends={"gpu": "megatron"},
+    init = Path(init_checkpoint).absolute()
+    site = SiteConfig(backends={"gpu": "megatron"},
                       megatron=FrameworkSite(path=checkout, python=sys.executable, nproc_per_node=1))
     backend = MegatronBackend(site)
-    request = TrainRequest(config=run.config, side="megatron", mode="align", data=run.dataset, output_dir=folder,
+    request = TrainRequest(config=config, side="megatron", mode="align", data=data, output_dir=folder,
                            init_checkpoint=init, save=False)
     backend.write_launch(request)  # run_megatron.sh and megatron_args.txt, as the step writes them
     generated = (folder / ARGS_FILE).read_text().split()
@@ -144,7 +148,7 @@ def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Pat
     args, changes = megatron_cpu.cpu_arguments(generated, fp32=fp32)
     generated_precision = "bf16" if "--bf16" in generated else "fp32"
     precision = "bf16" if "--bf16" in args else "fp32"
-    args = _replace_value(args, "--load", str(write_local_checkpoint(init, folder, run)))
+    args = _replace_value(args, "--load", str(write_local_checkpoint(init, folder, config)))
     entry = Path(real.command[real.command.index("--nproc_per_node") + 2])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "1",
                "-m", "crossalign.sides.megatron.rehearsal_cpu", str(entry), *args]
@@ -155,9 +159,7 @@ def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Pat
     log = folder / "train.log"
     status = run_script_locally(folder / SCRIPT, log, on_line)
     verify_megatron_log(log, iterations=request.iterations, loaded=True, exit_status=status)
-    tensors = verify_load_digest(folder / LOAD_DIGEST_DIR, init, run.config)
-    from crossalign.patching import megatron_core_version
-
+    tensors = verify_load_digest(folder / LOAD_DIGEST_DIR, init, config)
     return GpuRehearsal(folder=folder, log=log, checkout=checkout,
                         megatron_core=".".join(map(str, megatron_core_version(checkout) or ())),
                         argument_changes=changes, workarounds=megatron_cpu.workarounds(bf16=precision == "bf16"),
@@ -165,16 +167,6 @@ def rehearse_gpu(run: Run, checkout: Path, folder: Path, *, init_checkpoint: Pat
                         core_differences=core_differences(checkout), precision=precision,
                         generated_precision=generated_precision)
 
-
-
-def embedded_losses(run: Run) -> dict[int, dict[str, float]] | None:
-    """The losses of the run's own megatron-train step where the embedded megatron-core trained it, else None."""
-    manifest = run.manifest("megatron-train") or {}
-    details = manifest.get("details", manifest)
-    if details.get("backend") != "local-megatron":
-        return None
-    log = run.step_dir("megatron-train") / "train.log"
-    return logged_losses(log) if log.exists() else None
 
 
 def max_abs_diff(ours: dict[int, dict[str, float]], theirs: dict[int, dict[str, float]]) -> dict[str, float]:

@@ -14,8 +14,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from crossalign.config import AlignmentConfig
+from crossalign.data.files import DatasetFiles
 from crossalign.sides.mindformers.yaml import dump_yaml, mindformers_yaml
-from crossalign.store import Run
 
 # Run by the framework's interpreter: load the YAML with the release's own loader, say which one.
 LOAD_WITH_MINDFORMERS = """
@@ -45,13 +46,14 @@ class NpuRehearsal:
     loader: str
 
 
-def rehearse_npu(run: Run, mindformers: Path, python: str, folder: Path) -> NpuRehearsal:
-    """Write the step's YAML into ``folder`` and load it with the MindFormers checkout's own loader."""
+def rehearse_npu(config: AlignmentConfig, data: DatasetFiles, load_dir: Path, mindformers: Path, python: str,
+                 folder: Path) -> NpuRehearsal:
+    """Write the pynative-train YAML of a run of ``config`` on ``data`` from ``load_dir`` (the run's bf16 checkpoint)
+    into ``folder`` and load it with the MindFormers checkout's own loader."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = mindformers_yaml(run.config, mode="align", data_prefix=run.dataset.prefix.absolute(),
-                            tokenizer=run.dataset.tokenizer,
-                            load_dir=(run.step_dir("cast-bf16") / "checkpoint").absolute())
-    path = dump_yaml(data, folder / "align_train.yaml")
+    yaml_data = mindformers_yaml(config, mode="align", data_prefix=data.prefix.absolute(), tokenizer=data.tokenizer,
+                                 load_dir=load_dir.absolute())
+    path = dump_yaml(yaml_data, folder / "align_train.yaml")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(mindformers),
                                                                      os.environ.get("PYTHONPATH"))))}
     try:
