@@ -31,6 +31,8 @@ from typing import Literal, Sequence
 
 import yaml
 
+from crossalign.versions import version_tuple
+
 PATCH_DIR = Path(__file__).resolve().parent.parent / "patches"
 
 Framework = Literal["megatron", "mindformers"]
@@ -117,19 +119,6 @@ class PatchReport:
 # ---- reading the patch files -----------------------------------------------------------------
 
 
-def parse_version(text: str) -> tuple[int, ...]:
-    """'0.16.1' -> (0, 16, 1); suffixes such as 'rc0' or '.dev' end the number."""
-    numbers = []
-    for part in text.strip().split("."):
-        match = re.match(r"\d+", part)
-        if not match:
-            break
-        numbers.append(int(match.group()))
-    if not numbers:
-        raise ValueError(f"not a version: {text!r}")
-    return tuple(numbers)
-
-
 def _lines(text: str) -> tuple[str, ...]:
     return tuple(textwrap.dedent(text).strip("\n").splitlines())
 
@@ -162,8 +151,8 @@ def read_patch(path: Path) -> Patch:
             framework=raw["framework"],
             summary=raw["summary"],
             edits=tuple(_edit_from_dict(edit, f"{path} edit {i}") for i, edit in enumerate(raw["edits"], 1)),
-            needed_from=parse_version(needed["from"]) if "from" in needed else None,
-            needed_before=parse_version(needed["before"]) if "before" in needed else None,
+            needed_from=version_tuple(needed["from"]) if "from" in needed else None,
+            needed_before=version_tuple(needed["before"]) if "before" in needed else None,
             optional=bool(raw.get("optional", False)),
             source=path,
         )

@@ -100,8 +100,8 @@ def test_the_step_table_and_the_sides_sit_below_the_store_tasks_and_flows():
 # The packages of crossalign from the bottom up: a package imports only from the layers below its own. ``sides``
 # holds both frameworks' folders; neither of those imports the other.
 LAYERS = [
-    {"config", "versions", "patching", "dump_settings", "tensorio", "data"},
-    {"site", "models", "hf_config"},
+    {"config", "versions", "dump_settings", "tensorio", "data"},
+    {"site", "models", "hf_config", "patching"},
     {"sides"},
     {"dag", "logs", "preflight"},
     {"store", "checkpoint"},

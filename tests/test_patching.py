@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from crossalign.cli import app
-from crossalign.patching import PatchError, apply_patch, check_patch, load_patch, load_patches, parse_version
+from crossalign.patching import PatchError, apply_patch, check_patch, load_patch, load_patches
+from crossalign.versions import version_tuple
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN35_CLASSES = ("PyNativeQwen35ForCausalLM", "PyNativeQwen35MoeForCausalLM")  # the fixture fork's classes
@@ -59,7 +60,7 @@ def test_shipped_patches_parse_with_their_version_ranges():
     assert mtp.needed_for((0, 16, 1)) and mtp.needed_for((0, 18, 2))
     assert not mtp.needed_for((0, 15, 3)) and not mtp.needed_for((0, 19, 0))
     assert load_patch("megatron-weights-only").optional
-    assert parse_version("0.17.0rc0") == (0, 17, 0)
+    assert version_tuple("0.17.0rc0") == (0, 17, 0)
     with pytest.raises(PatchError, match="no patch named"):
         load_patch("nope")
 

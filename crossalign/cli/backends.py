@@ -1,4 +1,7 @@
-"""``crossalign patch check|apply`` and ``crossalign preflight config``."""
+"""``crossalign patch check|apply`` and ``crossalign preflight config``.
+
+What a command runs is imported inside it, so that ``crossalign --help`` starts without torch, MindSpore or Prefect.
+"""
 
 from __future__ import annotations
 

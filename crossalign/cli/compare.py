@@ -1,4 +1,7 @@
-"""``crossalign compare``: judge an NPU log against a GPU log and write the report."""
+"""``crossalign compare``: judge an NPU log against a GPU log and write the report.
+
+What a command runs is imported inside it, so that ``crossalign --help`` starts without torch, MindSpore or Prefect.
+"""
 
 from __future__ import annotations
 

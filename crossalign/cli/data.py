@@ -2,6 +2,8 @@
 
 ``preflight_app`` is the shared ``preflight`` sub-app: other areas add their checks to it
 (``preflight config``).
+
+What a command runs is imported inside it, so that ``crossalign --help`` starts without torch, MindSpore or Prefect.
 """
 
 from __future__ import annotations

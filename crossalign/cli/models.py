@@ -1,5 +1,8 @@
 """``crossalign configs`` (the model configs, and ``import-hf`` to make one from a Hugging Face checkpoint) and
-``crossalign selfcheck``: prove a conversion with one forward pass of every implementation of the model."""
+``crossalign selfcheck``: prove a conversion with one forward pass of every implementation of the model.
+
+What a command runs is imported inside it, so that ``crossalign --help`` starts without torch, MindSpore or Prefect.
+"""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal, Mapping
 
 from crossalign.config import ModelConfig
 from crossalign.tensorio.errors import CheckpointError
+from crossalign.versions import version_tuple
 
 if TYPE_CHECKING:
     import torch
@@ -22,18 +23,9 @@ ExpertForm = Literal["per_expert", "stacked"]
 EXPERT_FORMS: tuple[str, ...] = ("per_expert", "stacked")
 
 
-def core_version_tuple(core_version: str) -> tuple[int, int]:
-    """"0.16.1" -> (0, 16); a version that does not start with two numbers is an error."""
-    parts = core_version.strip().lstrip("v").replace("core_r", "").replace("core_v", "").split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        raise CheckpointError(f"megatron core version {core_version!r} is not of the form MAJOR.MINOR[.PATCH]") from None
-
-
 def mtp_layer_prefix(core_version: str) -> str:
     """Attribute name of the MTP inner layer: renamed from transformer_layer to mtp_model_layer in core 0.17."""
-    return "mtp_model_layer" if core_version_tuple(core_version) >= (0, 17) else "transformer_layer"
+    return "mtp_model_layer" if version_tuple(core_version) >= (0, 17) else "transformer_layer"
 
 
 # ---- MindSpore / MindFormers side ---------------------------------------------------------------

@@ -14,7 +14,7 @@ from crossalign.sides.launch import (
     BackendSetupError,
 )
 from crossalign.config import AlignmentConfig, MegatronParallel
-from crossalign.patching import parse_version
+from crossalign.versions import version_tuple
 from crossalign.data.settings import SampleOrderSettings
 from crossalign.config import TrainingConfig
 
@@ -26,7 +26,7 @@ NULL_TOKENIZER_EXACT_FROM = (0, 18, 0)
 
 def null_tokenizer_vocab_size(vocab_size_arg: int, core_version: str | tuple[int, ...]) -> int:
     """The vocab size NullTokenizer reports for ``--vocab-size vocab_size_arg`` in this megatron-core."""
-    version = parse_version(core_version) if isinstance(core_version, str) else tuple(core_version)
+    version = version_tuple(core_version) if isinstance(core_version, str) else tuple(core_version)
     return vocab_size_arg if version >= NULL_TOKENIZER_EXACT_FROM else vocab_size_arg + 1
 
 

@@ -43,7 +43,8 @@ from crossalign.sides.launch import (
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
-from crossalign.patching import PATCH_DIR, megatron_core_version, parse_version
+from crossalign.patching import PATCH_DIR, megatron_core_version
+from crossalign.versions import version_tuple
 from crossalign.sides.megatron.args import megatron_args
 from crossalign.sides.megatron.log_checks import parse_iteration_line, verify_megatron_log
 from crossalign.sides.megatron.load_digest import LOAD_DIGEST_DIR, verify_load_digest
@@ -211,7 +212,7 @@ class MegatronBackend(FrameworkBackend):
         if path is None:
             raise BackendSetupError("site config: megatron.path (the Megatron-LM checkout) is not set")
         path = Path(path).expanduser()
-        wanted = parse_version(config.training.megatron_core_version)
+        wanted = version_tuple(config.training.megatron_core_version)
         if self.site.megatron.ssh_host is not None:
             if not path.is_absolute():
                 raise BackendSetupError(f"megatron.path {path}: must be an absolute path on the remote host "

@@ -29,6 +29,7 @@ import torch
 from crossalign.sides.protocol import TrainRequest, TrainResult
 from crossalign.config import MegatronParallel, TrainingConfig
 from crossalign.sides.megatron.log_lines import megatron_prints_loss, megatron_resets_after_first_line
+from crossalign.sides.megatron.args_reader import megatron_lr as scheduled_lr
 
 
 # The embedded trainers run side by side (DAG steps 4 and 5) on small shared CPU machines, where
@@ -43,13 +44,12 @@ class TrainingError(RuntimeError):
 
 
 def megatron_lr(training: TrainingConfig, iteration: int) -> float:
-    """The lr applied by the optimizer step of ``iteration`` (1-based): Megatron's warmup counts samples
-    and the scheduler is stepped after each update, so iteration k uses init + (max - init) * (k-1) / W."""
-    warmup = training.lr_warmup_iters
-    done = iteration - 1
-    if warmup > 0 and done <= warmup:
-        return training.lr_warmup_init + (training.lr - training.lr_warmup_init) * done / warmup
-    return training.lr  # lr_decay_style is constant (the only style the config allows)
+    """The lr applied by the optimizer step of ``iteration`` (1-based), as Megatron's scheduler gives it
+    (``args_reader.megatron_lr``: warmup counts samples and the scheduler steps after each update)."""
+    lr = scheduled_lr(iteration, lr=training.lr, min_lr=training.min_lr, init=training.lr_warmup_init,
+                      warmup=training.lr_warmup_iters, decay_iters=training.train_iters, style=training.lr_decay_style)
+    assert lr is not None, training.lr_decay_style  # the config allows only the styles the scheduler reads
+    return lr
 
 
 @dataclass

@@ -39,6 +39,7 @@ import torch
 from crossalign.sides.protocol import TrainRequest, TrainResult
 from crossalign.sides.megatron.embedded.mcore_model import IMPLEMENTATION
 from crossalign.config import AlignmentConfig
+from crossalign.versions import version_tuple
 from crossalign.sides.megatron.embedded.torch_trainer import (IterationStats, MegatronLogLines, TrainingError, _datetime_line,
                                                      _step_metrics, deterministic_training_threads, emit_setup_done,
                                                      megatron_log, megatron_lr)
@@ -433,12 +434,11 @@ class LocalMegatronBackend:
             raise ValueError(f"{self.name}: align mode needs init_checkpoint (a Megatron checkpoint directory)")
         from importlib.metadata import version
 
-        from crossalign.models.layout import core_version_tuple
         from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
         from crossalign.data.order import global_batches
 
         wanted, installed = request.config.training.megatron_core_version, version("megatron-core")
-        if core_version_tuple(wanted) != core_version_tuple(installed):
+        if version_tuple(wanted)[:2] != version_tuple(installed)[:2]:
             raise ValueError(f"{self.name}: training.megatron_core_version is {wanted}, but the embedded GPU side is "
                              f"the installed megatron-core {installed} (its MTP key prefix and log semantics would "
                              "not be the configured ones)")
