@@ -5,7 +5,7 @@ generates from the same config (each field names its flag), except the two CPU s
 ``mcore_cpu``: deterministic mode and the allgather dispatcher. The layer specs come from the
 functions of ``patches/megatron/pretrain_qwen35.py``, the GPU launcher that builds the real
 run's model with them, here with megatron-core's local modules. A converted (TE-layout)
-checkpoint is renamed by ``checkpoint/te_local.py`` and loaded with ``strict=True``; a key that
+checkpoint is renamed by ``sides/megatron/te_local.py`` and loaded with ``strict=True``; a key that
 is missing, unexpected or misshaped is an error naming it, never Megatron's silent non-strict
 retry.
 
@@ -176,7 +176,7 @@ class Shard:
 
 def shard_state(state: Mapping[str, torch.Tensor], model: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
     """This shard's tensors of a full (TE-layout) state dict, under their names on its rank, by the checkpoint
-    layout rules (``checkpoint/reshard.py``: per-rank segments, stage-local layer and EP-local expert numbers)."""
+    layout rules (``sides/megatron/sharding.py``: per-rank segments, stage-local layer and EP-local expert numbers)."""
     from crossalign.sides.megatron.sharding import shard_tensor
 
     layout = shard.layout
@@ -196,7 +196,7 @@ _STAGE_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 def stage_names(keys, model: ModelConfig, core_version: str, first_layer: int, *, to_local: bool) -> dict[str, str]:
     """TE <-> local names of one pipeline stage's keys (its layers numbered from 0; a layer's kind is that of
-    global layer ``first_layer`` + i), by ``checkpoint/te_local.layer_renames``."""
+    global layer ``first_layer`` + i), by ``sides/megatron/te_local.layer_renames``."""
     inner = f"mtp.layers.{{}}.{mtp_layer_prefix(core_version)}."
     names = {}
     for key in keys:

@@ -1,7 +1,7 @@
 """Our PyTorch Qwen3.5 trained on CPU with Megatron's semantics, logging like Megatron's ``training_log``.
 
 This is the independent reference for the embedded GPU side, which trains megatron-core itself
-(``mcore_trainer``, which also prints its log with :class:`MegatronLogLines`): the tests and
+(``embedded/trainer.py``, which also prints its log with :class:`MegatronLogLines`): the tests and
 ``benchmarks/embedded.py`` hold the two against each other. It is not a backend of the DAG.
 
 It reproduces what changes the numbers in a real ``--finetune --no-load-optim`` Megatron run
