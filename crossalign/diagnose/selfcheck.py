@@ -25,10 +25,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
+import numpy as np
+
+from crossalign.checkpoint.convert import convert_checkpoint
+from crossalign.checkpoint.faults import LAYOUT_FAULTS, inject_layout_fault
+from crossalign.checkpoint.norms import norm_convention_problem
 from crossalign.config import AlignmentConfig, load_config
 from crossalign.diagnose.compare import compare_arrays
+from crossalign.diagnose.hf_side import build_hf, first_departure, run_hf
 from crossalign.diagnose.references import (Batch, Outputs, SideError, build_megatron, build_mindspore, make_batch,
-                                       run_megatron, run_mindspore)
+                                            run_megatron, run_mindspore)
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.megatron.checkpoint import iteration_dir_name, read_megatron_checkpoint
+from crossalign.sides.mindformers.checkpoint import (default_common, read_mindformers_checkpoint,
+                                                     write_mindformers_checkpoint)
+from crossalign.tensorio.errors import CheckpointError
 
 # stage name -> called when a stage starts (the CLI shows it; tests ignore it)
 StageCallback = Callable[[str], None]
@@ -58,18 +69,12 @@ class Implementation:
 
 
 def _run_mindspore(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
-    from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
-
     net = build_mindspore(config.model, read_mindformers_checkpoint(checkpoints.mindformers).model_state())
     return run_mindspore(net, batch)
 
 
 def _megatron_state(config: AlignmentConfig, checkpoints: Checkpoints) -> dict:
     """The converted checkpoint's ranks merged; ranks that do not fit together (a layout fault) fail its check."""
-    from crossalign.tensorio.errors import CheckpointError
-    from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
-
-    from crossalign.checkpoint.norms import norm_convention_problem
 
     try:
         state = read_megatron_checkpoint(checkpoints.megatron, config.model).state
@@ -89,8 +94,7 @@ def _run_pytorch(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch
 
 def _run_megatron_core(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
     """megatron-core's own GPTModel on CPU, built by the GPU launcher's layer-spec builder (local modules)."""
-    import numpy as np
-
+    # megatron-core is imported only by the implementation that runs it
     from crossalign.sides.megatron.embedded.mcore_model import McoreLoadError, run_selfcheck_forward
 
     state = _megatron_state(config, checkpoints)
@@ -105,8 +109,6 @@ def _run_megatron_core(config: AlignmentConfig, checkpoints: Checkpoints, batch:
 
 def _run_transformers(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> Outputs:
     """transformers' own Qwen3_5(Moe)ForCausalLM, the public reference implementation, plus the released MTP layout."""
-    from crossalign.diagnose.hf_side import build_hf, run_hf
-
     return run_hf(build_hf(config.model, checkpoints.huggingface), batch)
 
 
@@ -287,13 +289,7 @@ def make_checkpoints(config: AlignmentConfig, workdir: Path, ms_ckpt: Path | Non
                      seed: int, layout: tuple[int, int, int] = (1, 1, 1)) -> tuple[Path, Path]:
     """Write a random MindFormers checkpoint (unless given) and convert it with the converter under test into the
     (tp, pp, ep) ``layout``; a layout fault breaks the converted rank files the way a converter would."""
-    from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.checkpoint.faults import LAYOUT_FAULTS, inject_layout_fault
-
     if ms_ckpt is None:
-        from crossalign.models.layout import random_mindformers_state
-        from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
-
         ms_ckpt = workdir / "mindformers"
         write_mindformers_checkpoint(ms_ckpt, 1, random_mindformers_state(config.model, seed), None,
                                      default_common(1, config.training.global_batch_size))
@@ -304,16 +300,12 @@ def make_checkpoints(config: AlignmentConfig, workdir: Path, ms_ckpt: Path | Non
                                 core_version=config.training.megatron_core_version, dtype="fp32", tp=tp, pp=pp, ep=ep,
                                 fault=None if in_layout else fault)
     if in_layout:
-        from crossalign.sides.megatron.checkpoint import iteration_dir_name
-
         inject_layout_fault(mg_ckpt / iteration_dir_name(report.iteration), fault, config.model, tp, pp, ep)
     return ms_ckpt, mg_ckpt
 
 
 def _from_huggingface(config: AlignmentConfig, workdir: Path, hf_ckpt: Path) -> tuple[Path, Path]:
     """Convert a Hugging Face checkpoint to MindFormers and to Megatron with the converter under test."""
-    from crossalign.checkpoint.convert import convert_checkpoint
-
     ms_ckpt, mg_ckpt = workdir / "mindformers", workdir / "megatron"
     convert_checkpoint(config.model, "hf2ms", hf_ckpt, ms_ckpt, dtype="fp32")
     convert_checkpoint(config.model, "hf2mg", hf_ckpt, mg_ckpt, core_version=config.training.megatron_core_version,
@@ -323,9 +315,6 @@ def _from_huggingface(config: AlignmentConfig, workdir: Path, hf_ckpt: Path) -> 
 
 def _departure(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) -> str:
     """The first module where transformers' model and the PyTorch model part, both run again with hooks."""
-    from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
-    from crossalign.diagnose.hf_side import build_hf, first_departure
-
     version = config.training.megatron_core_version
     net, _ = build_megatron(config.model, read_megatron_checkpoint(checkpoints.megatron, config.model).state, version)
     found = first_departure(build_hf(config.model, checkpoints.huggingface), net, batch, version)
@@ -338,9 +327,6 @@ def _departure(config: AlignmentConfig, checkpoints: Checkpoints, batch: Batch) 
 
 def _to_huggingface(config: AlignmentConfig, workdir: Path, ms_ckpt: Path) -> tuple[Path | None, str]:
     """The MindFormers checkpoint in the Hugging Face layout, or None and why the model has no such form."""
-    from crossalign.checkpoint.convert import convert_checkpoint
-    from crossalign.tensorio.errors import CheckpointError
-
     hf_ckpt = workdir / "huggingface"
     try:
         convert_checkpoint(config.model, "ms2hf", ms_ckpt, hf_ckpt, dtype="fp32")
