@@ -43,6 +43,7 @@ def load_definition(name: str, values: dict[str, Any]) -> dict[str, Any]:
 
 def _replace(client, definition: dict[str, Any]) -> str:
     """Create the automation, first deleting any of the same name; returns its id."""
+    # Prefect loads in seconds: imported only where its API is called
     from prefect.automations import AutomationCore
 
     automation = AutomationCore.model_validate(definition)
@@ -53,6 +54,7 @@ def _replace(client, definition: dict[str, Any]) -> str:
 
 def save_webhook(url: str) -> str:
     """Save the webhook notification block the nightly automation calls; returns its id."""
+    # Prefect loads in seconds: imported only where its API is called
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
     block = CustomWebhookNotificationBlock(name=WEBHOOK_BLOCK, url=url, method="POST",
@@ -66,6 +68,7 @@ def install_automations(webhook_url: str | None = None,
 
     Returns {automation name: id}. The nightly alert needs the nightly deployment (``crossalign deploy``).
     """
+    # Prefect loads in seconds: imported only where its API is called
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 

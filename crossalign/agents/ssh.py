@@ -56,6 +56,7 @@ class SshRunner:
         self.host = host
 
     def _connect(self):
+        # paramiko: only runs on an SSH host need it
         import paramiko
 
         known = known_hosts_path(self.host)

@@ -33,6 +33,7 @@ from crossalign.agents.automation import install_automations
 
 def ensure_pool(name: str) -> bool:
     """Create the process work pool ``name`` if the server has none; True if it was created."""
+    # Prefect loads in seconds: imported only where its API is called
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound

@@ -94,6 +94,7 @@ class GlobalBatches(Sequence):
 @lru_cache(maxsize=8)
 def _epoch_permutation(bucket_size: int, epoch: int) -> np.ndarray:
     """MegatronPretrainingRandomSampler's per-epoch permutation: torch.randperm seeded with the epoch."""
+    # torch: an optional framework (not in the base install), needed only here
     import torch
 
     generator = torch.Generator()
@@ -119,6 +120,7 @@ def build_dataset(settings: SampleOrderSettings, prefix: Path):
 @lru_cache(maxsize=16)
 def _build_dataset_cached(settings: SampleOrderSettings, prefix: str, idx_size: int, idx_mtime_ns: int):
     with quiet_megatron_import():
+        # megatron-core: an optional framework (the local and gpu extras), needed only here
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -188,6 +190,7 @@ def _staged_cache(cache_dir: Path) -> Iterator[Path]:
 def _single_process_group() -> Iterator[None]:
     """A one-rank gloo group while building: megatron-core's BlendedDataset asks for the rank when it
     writes its cache. A process that already has a group keeps it."""
+    # torch: an optional framework (not in the base install), needed only here
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+import numpy
+
 from crossalign.data.corpus import CORPUS_SHA256, corpus_documents
 from crossalign.data.files import DatasetFiles
 from crossalign.data.mcore import quiet_megatron_import
@@ -84,11 +86,11 @@ def read_manifest(out_dir: Path, vocab_size: int | None = None) -> dict | None:
 
 def _build(staging: Path, vocab_size: int, report: PrepareProgress) -> dict:
     """Write tokenizer, .bin/.idx and manifest into ``staging``; return the manifest."""
-    import numpy
+    # tokenizers: only data preparation needs it
     import tokenizers
 
-
     with quiet_megatron_import():
+        # megatron-core: an optional framework (the local and gpu extras), needed only here
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     documents = corpus_documents()

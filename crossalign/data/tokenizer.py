@@ -15,6 +15,7 @@ MIN_VOCAB_SIZE = 257  # the 256 byte symbols plus the end-of-document token
 
 def train_tokenizer(documents: list[str], vocab_size: int):
     """Train a byte-level BPE tokenizer with at most ``vocab_size`` tokens (deterministic for the same input)."""
+    # tokenizers: only data preparation needs it
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < MIN_VOCAB_SIZE:
@@ -34,6 +35,7 @@ def train_tokenizer(documents: list[str], vocab_size: int):
 
 def load_tokenizer(path: Path):
     """The tokenizer saved by ``prepare``."""
+    # tokenizers: only data preparation needs it
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path))

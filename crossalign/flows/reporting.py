@@ -46,6 +46,7 @@ class StepReporter:
             emit(StepEvent(self.step, "line", host=self.host, message=line))
 
     def _update_artifact(self, percent: float, force: bool) -> None:
+        # Prefect loads in seconds: imported only where its API is called
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
         now = time.monotonic()

@@ -221,6 +221,7 @@ def random_mindformers_state(model: ModelConfig, seed: int) -> dict:
     in [1e-3, 1e-1]; the depthwise conv1d keeps torch's default uniform(+-1/sqrt(K)).
     The result depends only on the config and the seed.
     """
+    # torch: an optional framework (not in the base install), needed only here
     import torch
 
     gen = torch.Generator().manual_seed(seed)

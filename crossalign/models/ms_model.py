@@ -43,6 +43,7 @@ def configure_cpu_runtime(threads: int | None = None) -> None:
     global _runtime_configured
     if _runtime_configured:
         return
+    # MindSpore: an optional framework (the local and npu extras), needed only here
     from mindspore.device_context.cpu.op_tuning import RuntimeConf
 
     if not RuntimeConf.get_instance().is_op_threads_num_configured():

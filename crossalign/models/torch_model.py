@@ -169,10 +169,12 @@ def gated_delta_rule(q, k, v, g, beta, scale: float, form: str = "chunk") -> tor
     rounding).
     """
     if q.is_cuda:
+        # fla: an optional kernel library, needed only by this implementation
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         out, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=False)
         return out
+    # fla: an optional kernel library, needed only by this implementation
     from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
 
     if form == "recurrent":

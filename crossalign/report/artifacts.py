@@ -45,10 +45,12 @@ def publish_artifacts(summary, out_dir: Path, url_of: Callable[[Path], str | Non
     ``url_of`` gives a file's address on the report server; without one the link names the file
     (which a browser will not open from a web page) and the plot is named, not shown.
     """
+    # Prefect loads in seconds: imported only where its API is called
     from prefect.context import FlowRunContext, TaskRunContext
 
     if FlowRunContext.get() is None and TaskRunContext.get() is None:
         return
+    # Prefect loads in seconds: imported only where its API is called
     from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
     data = summary if isinstance(summary, Mapping) else summary.to_dict()
@@ -66,6 +68,7 @@ def publish_artifacts(summary, out_dir: Path, url_of: Callable[[Path], str | Non
     create_link_artifact(link=report_url or (out_dir / "report.html").as_uri(), link_text="report.html",
                          key=LINK_KEY, description=description)
     if plot_url and (out_dir / "loss.png").exists():
+        # Prefect loads in seconds: imported only where its API is called
         from prefect.artifacts import create_image_artifact
 
         create_image_artifact(image_url=plot_url, key=PLOT_KEY, description=f"{description}: losses and errors")

@@ -73,6 +73,7 @@ def _decimate(x: np.ndarray, y: np.ndarray, buckets: int = 2000) -> tuple[np.nda
 
 def plot_losses(summary: Summary, merged: pd.DataFrame, path: Path) -> None:
     """Both curves per series (left) and the relative error on a log axis with the thresholds (right)."""
+    # matplotlib: loaded only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

@@ -76,6 +76,7 @@ def runs_index(root: Path) -> str:
 
 def store_app(root: Path):
     """The ASGI app serving ``root`` (a Starlette app, which turns refusals into 404/405)."""
+    # the web stack: only `crossalign serve` needs it
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.responses import HTMLResponse
@@ -123,6 +124,7 @@ def store_app(root: Path):
 
 def serve(app, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
     """Serve ``app`` on ``host:port`` until interrupted (SIGINT or SIGTERM)."""
+    # the web stack: only `crossalign serve` needs it
     import uvicorn
 
     uvicorn.run(app, host=host, port=port, log_level="warning")

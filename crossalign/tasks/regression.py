@@ -94,6 +94,7 @@ def history_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot_trend(history: list[dict[str, Any]], path: Path) -> Path:
     """Mean relative error of each loss per night and model (log scale), written as a PNG."""
+    # matplotlib: loaded only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

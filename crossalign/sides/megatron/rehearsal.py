@@ -20,6 +20,7 @@ the step's own checks run on it: the log (:func:`verify_megatron_log`) and the l
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -97,8 +98,6 @@ def core_differences(checkout: Path) -> list[str]:
     the embedded run are the installed wheel's: they must be the same code (core_v0.16.1 and the
     0.16.1 wheel are).
     """
-    import importlib.util
-
     installed = Path(importlib.util.find_spec("megatron.core").submodule_search_locations[0])
     ours = checkout / "megatron" / "core"
     names = ({p.relative_to(ours) for p in ours.rglob("*.py")}

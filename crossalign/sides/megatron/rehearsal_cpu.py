@@ -230,6 +230,7 @@ def self_test() -> None:
         elif workaround.upstream is not None and workaround.upstream not in inspect.getsource(module):
             problems.append(f"{workaround.name}: {workaround.upstream!r} is no longer in {module.__name__} "
                             f"(the workaround was for: {workaround.reason})")
+    # megatron-core: an optional framework (the local and gpu extras), needed only here
     from megatron.training import initialize
 
     if "allow_no_cuda" not in inspect.signature(initialize.initialize_megatron).parameters:
@@ -253,6 +254,7 @@ def workarounds(bf16: bool = False) -> list[tuple[str, str]]:
 
 def main(argv: Sequence[str]) -> None:
     """Run ``argv[0]`` (the launcher) with ``argv[1:]`` as its arguments, the CPU stand-ins applied."""
+    # torch: an optional framework (not in the base install), needed only here
     import torch._dynamo
 
     if not argv:

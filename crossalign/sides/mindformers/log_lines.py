@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
+import numpy as np
+
 from crossalign.versions import version_tuple
 
 MINDFORMERS_PYNATIVE_SOURCE = "mindformers/pynative/callback/loss_callback.py:337"
@@ -100,8 +102,6 @@ def graph_lines(
     ``loss`` is the total (lm + aux + scaled mtp); ``mtp_loss`` is already scaled by
     mtp_loss_scaling_factor / mtp_num_layers; the lr is numpy's shortest repr.
     """
-    import numpy as np
-
     loss_part = f"loss: {loss:.6f}, " if sink_mode else f"loss:[{loss:.6f}/{(loss_mean if loss_mean is not None else loss):.6f}], "
     separate = ""
     if lm_loss is not None:
