@@ -86,7 +86,12 @@ def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bo
         layernorm_epsilon=model.norm_epsilon,  # --norm-epsilon
         # --apply-layernorm-1p; megatron-core's local (torch) norm refuses it (core_v0.16.1 transformer/torch_norm.py:27)
         layernorm_zero_centered_gamma=model.norm_convention == "zero_centred",
-        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,  # --swiglu
+        # --swiglu; Megatron-LM's bias_swiglu_fusion is on unless --no-bias-swiglu-fusion (core_v0.16.1
+        # megatron/training/arguments.py:1335, :2038): its fused swiglu rounds in bf16 as the GPU run does
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=True,
+        # Megatron-LM copies args.attention_softmax_in_fp32, False without --attention-softmax-in-fp32 or
+        # --apply-query-key-layer-scaling (arguments.py:1083-1085, :1320-1322, :2192), not the dataclass's True
+        attention_softmax_in_fp32=False,
         add_bias_linear=False,  # --disable-bias-linear
         qk_layernorm=True,
         attention_output_gate=True,
