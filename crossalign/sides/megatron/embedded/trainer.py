@@ -399,7 +399,7 @@ def save_checkpoint(net, request: TrainRequest, iteration: int) -> Path:
     config = request.config
     layout = config.parallel.megatron
     shard = Shard.of_this_process(layout)
-    local = {key: value.detach().clone() for key, value in net.state_dict().items()
+    local = {key: value.detach().to("cpu", copy=True) for key, value in net.state_dict().items()
              if not key.endswith("._extra_state")}
     names = stage_names(local, config.model, config.training.megatron_core_version, shard.first_layer(config.model),
                         to_local=False)
