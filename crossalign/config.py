@@ -209,6 +209,10 @@ class TrainingConfig(_Strict):
                     "Megatron's --bf16; the embedded MindSpore side always computes in fp32 (MindSpore's CPU "
                     "kernels have no bf16 MatMul)")
     deterministic: bool = True
+    embedded_device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="where the embedded megatron-train step runs: auto takes the agent's GPU where torch sees one; "
+                    "on cpu the megatron-core CPU workarounds apply")
     megatron_core_version: str = Field(default="0.16.1", description="decides the MTP key prefix and log semantics")
     mindformers_version: str = Field(default="2.1.0", description="the NPU site's MindFormers release (2.0.0 or "
                                      "later): decides how its log's mtp_1_loss is read")

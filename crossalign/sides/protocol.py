@@ -68,6 +68,7 @@ class TrainResult:
     iterations: int
     seconds: float
     loaded_tensors_verified: int | None = None  # tensors the step's load digest held against init_checkpoint
+    details: dict = field(default_factory=dict)  # what the backend says of the run (device, kernels), for the manifest
 
 
 class TrainBackend(Protocol):

@@ -44,7 +44,7 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
         describe = getattr(backend, "implementation", None)  # the embedded backends say what trains and how
         out.details.update(backend=backend.name, implementation=describe(run.config) if describe else backend.name,
                            iterations=result.iterations, train_seconds=round(result.seconds, 3),
-                           loaded_tensors_verified=result.loaded_tensors_verified,
+                           loaded_tensors_verified=result.loaded_tensors_verified, **result.details,
                            log=result.log_path.relative_to(out.dir).as_posix(),
                            checkpoint=None if result.checkpoint_dir is None
                            else result.checkpoint_dir.relative_to(out.dir).as_posix())

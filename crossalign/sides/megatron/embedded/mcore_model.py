@@ -51,7 +51,7 @@ def layer_specs_module():
 
 
 def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bool = False,
-                       layout: MegatronParallel | None = None):
+                       layout: MegatronParallel | None = None, device: str = "cpu"):
     """The TransformerConfig of the generated Megatron arguments (fp32 unless ``bf16``) in ``layout``
     (None: one process), for the CPU."""
     from megatron.core.transformer import TransformerConfig
@@ -86,7 +86,12 @@ def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bo
         layernorm_epsilon=model.norm_epsilon,  # --norm-epsilon
         # --apply-layernorm-1p; megatron-core's local (torch) norm refuses it (core_v0.16.1 transformer/torch_norm.py:27)
         layernorm_zero_centered_gamma=model.norm_convention == "zero_centred",
-        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,  # --swiglu
+        # --swiglu; Megatron-LM's bias_swiglu_fusion is on unless --no-bias-swiglu-fusion (core_v0.16.1
+        # megatron/training/arguments.py:1335, :2038): its fused swiglu rounds in bf16 as the GPU run does
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=True,
+        # Megatron-LM copies args.attention_softmax_in_fp32, False without --attention-softmax-in-fp32 or
+        # --apply-query-key-layer-scaling (arguments.py:1083-1085, :1320-1322, :2192), not the dataclass's True
+        attention_softmax_in_fp32=False,
         add_bias_linear=False,  # --disable-bias-linear
         qk_layernorm=True,
         attention_output_gate=True,
@@ -103,7 +108,8 @@ def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bo
         mtp_num_layers=model.mtp_num_layers or None,
         mtp_loss_scaling_factor=model.mtp_loss_scaling_factor,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        deterministic_mode=True,  # CPU: torch conv1d and torch_chunk_gated_delta_rule, not fla's Triton (mcore_cpu)
+        # CPU: torch conv1d and torch_chunk_gated_delta_rule, not fla's Triton (mcore_cpu); GPU: --deterministic-mode
+        deterministic_mode=True if device == "cpu" else training.deterministic,
         transformer_impl="local",
         gradient_accumulation_fusion=False,  # --no-gradient-accumulation-fusion
         persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
@@ -120,14 +126,14 @@ def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bo
 
 
 def build_gpt_model(model: ModelConfig, training: TrainingConfig, *, bf16: bool = False,
-                    layout: MegatronParallel | None = None):
+                    layout: MegatronParallel | None = None, device: str = "cpu"):
     """megatron-core's GPTModel with the shared Qwen3.5 layer specs (local modules), as gpt_builder builds it:
     this process's pipeline stage and tensor/expert shard of it, in megatron-core's initialised parallel state."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     specs = layer_specs_module()
-    config = transformer_config(model, training, bf16=bf16, layout=layout)
+    config = transformer_config(model, training, bf16=bf16, layout=layout, device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return GPTModel(
@@ -255,8 +261,9 @@ def positions_and_mask(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     which hard-codes ``device="cuda"``.
     """
     batch, seq = input_ids.shape
-    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(batch, seq)
-    return position_ids, torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None]
+    device = input_ids.device
+    position_ids = torch.arange(seq, dtype=torch.long, device=device).unsqueeze(0).expand(batch, seq)
+    return position_ids, torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
 def forward(net, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from crossalign.sides.protocol import TrainRequest, TrainResult
 from crossalign.sides.megatron.embedded.mcore_model import IMPLEMENTATION
 from crossalign.config import AlignmentConfig
 from crossalign.versions import version_tuple
+from crossalign.sides.megatron.embedded import device as devices
 from crossalign.sides.megatron.embedded.torch_trainer import (IterationStats, MegatronLogLines, TrainingError, _datetime_line,
                                                      _step_metrics, deterministic_training_threads, emit_setup_done,
                                                      megatron_log, megatron_lr)
@@ -61,13 +62,13 @@ def _forward_step(data_iterator, model):
 
     tokens = next(data_iterator)
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    loss_mask = torch.ones(labels.shape, dtype=torch.float32)
+    loss_mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
     with torch._C.DisableTorchFunction():  # the model needs no CudaLiteralsToCpu: spare it the per-op cost
         output = model(input_ids, *positions_and_mask(input_ids), labels=labels, loss_mask=loss_mask)
     return output, partial(_loss_func, loss_mask)
 
 
-def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
+def _build(request: TrainRequest, state: Mapping[str, torch.Tensor], device: str = "cpu"):
     """DDP-wrapped GPTModel with the checkpoint loaded, megatron-core's optimizer and its param scheduler."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -84,21 +85,23 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor]):
                          "lr_decay_steps, and --lr-decay-iters defaults to --train-iters")
     bf16 = training.embedded_precision == "bf16"
     layout = config.parallel.megatron
-    with CudaLiteralsToCpu():
-        net = build_gpt_model(config.model, training, bf16=bf16, layout=layout)
+    with devices.cpu_only(device, CudaLiteralsToCpu()):
+        net = build_gpt_model(config.model, training, bf16=bf16, layout=layout, device=device)
     shard = Shard.of_this_process(layout)
     load_converted_state(net, state, config.model, training.megatron_core_version, shard)
     if layout.world_size == 1:
         verify_loaded(net, state, request)
     else:  # a process of a sharded run holds its shard only: held against its rank's file (_verified_by_the_last_rank)
         write_shard_digest(net, request, shard)
+    if device == "cuda":  # after the load digest, before the optimizer wraps the parameters (it wants CUDA tensors)
+        net.cuda()
     # --bf16: get_model wraps the model in Float16Module (every parameter bf16, the forward in bf16) and
     # get_megatron_optimizer keeps fp32 main copies of them (Float16OptimizerWithFloat16Params)
     module = Float16Module(net.config, net) if bf16 else net
     ddp = DistributedDataParallel(config=net.config, module=module,
                                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     # the optimizers keep their loss scale on 'cuda'; the bf16 one accepts only CUDA tensor type names
-    with CudaLiteralsToCpu(), CpuTensorTypesAsCuda() if bf16 else contextlib.nullcontext():
+    with devices.cpu_only(device, CudaLiteralsToCpu(), CpuTensorTypesAsCuda() if bf16 else contextlib.nullcontext()):
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
             adam_beta1=training.adam_beta1, adam_beta2=training.adam_beta2, adam_eps=training.adam_eps,
@@ -184,7 +187,8 @@ def _verified_by_the_last_rank(request: TrainRequest, prints: bool) -> int:
     return int(outcome[0])
 
 
-def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, request: TrainRequest) -> IterationStats:
+def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, request: TrainRequest,
+                device: str = "cpu") -> IterationStats:
     """Megatron's train_step and the loss bookkeeping of training_log for one iteration."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, track_moe_metrics
@@ -195,7 +199,7 @@ def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, r
     from megatron.core import parallel_state
 
     model, training = request.config.model, request.config.training
-    tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.int64)
+    tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.int64).to(device)
     expected = (training.global_batch_size, training.seq_length + 1)
     if tuple(tokens.shape) != expected:
         raise ValueError(f"global batch {iteration}: tokens of shape {tuple(tokens.shape)}, expected {expected}")
@@ -205,7 +209,7 @@ def _train_step(ddp, optimizer, scheduler, tokens: np.ndarray, iteration: int, r
                                              parallel_state.get_data_parallel_rank()))
 
     # the schedule counts tokens, and the optimizer reduces the grad norm, in tensors made on 'cuda'
-    with CudaLiteralsToCpu():
+    with devices.cpu_only(device, CudaLiteralsToCpu()):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         reports = get_forward_backward_func()(
@@ -266,15 +270,14 @@ def _train_rank(request: TrainRequest, state: Mapping[str, torch.Tensor], checkp
     the steps, as Megatron prints from it; ``progress`` (a queue) carries them to the step's process."""
     from megatron.core import parallel_state
 
-    from crossalign.sides.megatron.embedded.mcore_cpu import megatron_core_on_cpu
-
     training, total, layout = request.config.training, request.iterations, request.config.parallel.megatron
+    device = devices.resolve(training.embedded_device)
     prints = group is None or group.rank == group.world_size - 1
     log = megatron_log(request.log_path, training.seed, layout) if prints else contextlib.nullcontext(lambda _: None)
-    with deterministic_training_threads(), log as emit, megatron_core_on_cpu(training.seed, group):
-        emit(f"building GPT model ... ({IMPLEMENTATION}, local modules on CPU)")
+    with deterministic_training_threads(), log as emit, devices.on_device(device, training.seed, group):
+        emit(f"building GPT model ... ({IMPLEMENTATION}, local modules on {device.upper()})")
         emit(f" loading checkpoint from {request.init_checkpoint} at iteration {checkpoint_iteration}")
-        ddp, optimizer, scheduler = _build(request, state)
+        ddp, optimizer, scheduler = _build(request, state, device)
         if group is not None:
             verified = _verified_by_the_last_rank(request, prints)
             if prints:
@@ -288,7 +291,7 @@ def _train_rank(request: TrainRequest, state: Mapping[str, torch.Tensor], checkp
         lines = MegatronLogLines(total, training.global_batch_size, training.megatron_core_version)
         ddp.train()
         for iteration in range(1, total + 1):
-            stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request)
+            stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request, device)
             if not prints:
                 continue
             emit(lines.line(iteration, stats))
@@ -368,13 +371,19 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
         from crossalign.sides.megatron.load_digest import LOAD_DIGEST_DIR
 
         shutil.rmtree(request.output_dir / LOAD_DIGEST_DIR, ignore_errors=True)  # only this run's ranks' records
+    training = request.config.training
+    device = devices.resolve(training.embedded_device)
+    if device == "cuda" and request.config.parallel.megatron.world_size > 1:
+        raise devices.EmbeddedDeviceError("training.embedded_device: cuda trains in one process; a sharded "
+                                          "parallel.megatron layout trains with embedded_device: cpu")
     started = time.perf_counter()
     if request.config.parallel.megatron.world_size == 1:
         _train_rank(request, state, checkpoint_iteration, batches)
     else:
         _train_ranks(request, state, checkpoint_iteration, batches[:total])
     return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
-                       iterations=total, seconds=time.perf_counter() - started)
+                       iterations=total, seconds=time.perf_counter() - started,
+                       details=devices.details(device, training.deterministic))
 
 
 def save_checkpoint(net, request: TrainRequest, iteration: int) -> Path:
@@ -392,7 +401,7 @@ def save_checkpoint(net, request: TrainRequest, iteration: int) -> Path:
     config = request.config
     layout = config.parallel.megatron
     shard = Shard.of_this_process(layout)
-    local = {key: value.detach().clone() for key, value in net.state_dict().items()
+    local = {key: value.detach().to("cpu", copy=True) for key, value in net.state_dict().items()
              if not key.endswith("._extra_state")}
     names = stage_names(local, config.model, config.training.megatron_core_version, shard.first_layer(config.model),
                         to_local=False)
@@ -414,7 +423,8 @@ def save_checkpoint(net, request: TrainRequest, iteration: int) -> Path:
 
 
 class LocalMegatronBackend:
-    """The embedded CPU stand-in for Megatron-LM (DAG step 4), on megatron-core itself: align mode only."""
+    """The embedded stand-in for Megatron-LM (DAG step 4), on megatron-core itself (CPU or the agent's GPU,
+    ``training.embedded_device``): align mode only."""
 
     name = "local-megatron"
 
@@ -423,8 +433,9 @@ class LocalMegatronBackend:
         from importlib.metadata import version
 
         precision = "bf16 on fp32 main weights" if config.training.embedded_precision == "bf16" else "fp32"
+        device = devices.resolve(config.training.embedded_device).upper()
         return (f"{IMPLEMENTATION} {version('megatron-core')} "
-                f"(GPTModel, DDP, optimizer and scheduler on CPU, {precision})")
+                f"(GPTModel, DDP, optimizer and scheduler on {device}, {precision})")
 
     def train(self, request: TrainRequest) -> TrainResult:
         if request.mode != "align":

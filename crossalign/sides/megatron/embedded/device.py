@@ -1,0 +1,106 @@
+"""Where the embedded megatron-core trainer runs (``training.embedded_device``) and which kernels train there.
+
+On CPU the trainer runs inside ``mcore_cpu.megatron_core_on_cpu`` (gloo, the CPU workarounds) in
+deterministic mode: Megatron's ``torch_chunk_gated_delta_rule``, torch's conv1d and a torch l2norm. On a
+GPU it runs as Megatron does there (NCCL, ``model_parallel_cuda_manual_seed``, no workaround), the model
+moved to the GPU after the load digest and before megatron-core's optimizer wraps it; the GatedDeltaNet
+kernels follow ``training.deterministic`` (core_v0.16.1 megatron/core/ssm/gated_delta_net.py: deterministic
+mode takes the torch chunk rule and torch conv1d, otherwise fla's ``chunk_gated_delta_rule`` and
+causal-conv1d when installed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Iterator
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class EmbeddedDeviceError(RuntimeError):
+    """The configured device is not available in this process."""
+
+
+def resolve(setting: str) -> str:
+    """``cpu`` or ``cuda`` for the setting: ``auto`` takes the GPU where torch sees one."""
+    if setting not in DEVICES:
+        raise EmbeddedDeviceError(f"training.embedded_device: {setting!r} is not one of {', '.join(DEVICES)}")
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise EmbeddedDeviceError("training.embedded_device: cuda, but torch sees no GPU in this process "
+                                  f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    return setting
+
+
+def kernels(device: str, deterministic: bool) -> dict[str, str]:
+    """The GatedDeltaNet kernels megatron-core takes on ``device`` (core_v0.16.1 megatron/core/ssm/
+    gated_delta_net.py: ``deterministic_mode`` picks torch_chunk_gated_delta_rule and torch conv1d)."""
+    if device == "cpu" or deterministic:
+        delta = "megatron.core torch_chunk_gated_delta_rule"
+        conv = "torch conv1d"
+    else:
+        delta = "fla chunk_gated_delta_rule (Triton)"
+        conv = ("causal_conv1d_fn (causal-conv1d)" if importlib.util.find_spec("causal_conv1d") is not None
+                else "torch conv1d")
+    l2norm = "torch l2norm (mcore_cpu)" if device == "cpu" else (
+        "fla l2norm (Triton)" if importlib.util.find_spec("fla") is not None else "torch l2norm")
+    return {"delta_rule": delta, "l2norm": l2norm, "conv1d": conv}
+
+
+def details(device: str, deterministic: bool) -> dict[str, object]:
+    """What the step's manifest and the report say about where and with which kernels the run trained."""
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return {"device": device, "device_name": name, "kernels": kernels(device, deterministic)}
+
+
+@contextlib.contextmanager
+def megatron_core_on_cuda(seed: int) -> Iterator[None]:
+    """megatron-core ready to build and train a one-process model on this GPU, as Megatron's initialize does:
+    an NCCL group of one, the parallel state, model_parallel_cuda_manual_seed (core_v0.16.1
+    megatron/training/initialize.py _set_random_seed); everything undone on exit."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from crossalign.sides.megatron.embedded.mcore_cpu import _clear_loss_trackers
+
+    if dist.is_initialized():
+        raise EmbeddedDeviceError("a torch.distributed process group is already running in this process")
+    _clear_loss_trackers()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        yield
+    finally:
+        _clear_loss_trackers()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def on_device(device: str, seed: int, group=None):
+    """The context the trainer runs in on ``device``: megatron_core_on_cpu (with ``group``) or on CUDA."""
+    if device == "cpu":
+        from crossalign.sides.megatron.embedded.mcore_cpu import megatron_core_on_cpu
+
+        return megatron_core_on_cpu(seed, group)
+    if group is not None:
+        raise EmbeddedDeviceError("training.embedded_device: cuda trains in one process; a sharded "
+                                  "parallel.megatron layout trains on cpu")
+    return megatron_core_on_cuda(seed)
+
+
+def cpu_only(device: str, *modes):
+    """``modes`` (the CPU workarounds' torch-function modes) on CPU; nothing on a GPU."""
+    if device != "cpu":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for mode in modes:
+        stack.enter_context(mode)
+    return stack
