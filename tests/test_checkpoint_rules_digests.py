@@ -10,7 +10,7 @@ import hashlib
 
 import pytest
 import torch
-from hf_tiny import make_hf_checkpoint
+from helpers.hf_tiny import make_hf_checkpoint
 
 from crossalign.checkpoint.convert_core import megatron_to_mindformers, mindformers_to_megatron
 from crossalign.checkpoint.hf import read_hf_checkpoint

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mindspore import nn
 
-from crossalign.sides.dump_settings import DumpSettings
+from crossalign.dump_settings import DumpSettings
 from crossalign.sides.mindformers.dump import msprobe_norm_on_cpu
 
 

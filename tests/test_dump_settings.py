@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from crossalign.sides.dump_settings import DumpSettings
+from crossalign.dump_settings import DumpSettings
 
 SETTINGS = [
     DumpSettings(),
