@@ -25,7 +25,11 @@ EXPERT_FORMS: tuple[str, ...] = ("per_expert", "stacked")
 
 def mtp_layer_prefix(core_version: str) -> str:
     """Attribute name of the MTP inner layer: renamed from transformer_layer to mtp_model_layer in core 0.17."""
-    return "mtp_model_layer" if version_tuple(core_version) >= (0, 17) else "transformer_layer"
+    try:
+        version = version_tuple(core_version)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    return "mtp_model_layer" if version >= (0, 17) else "transformer_layer"
 
 
 # ---- MindSpore / MindFormers side ---------------------------------------------------------------
