@@ -1,0 +1,254 @@
+"""The GPU environment check: known-bad combinations of torch, CUDA, Triton, fla, TransformerEngine,
+megatron-core, causal-conv1d and the GPU, held before GPU hours are spent.
+
+:func:`check` is a pure function of a :class:`GpuEnvironment` (versions, the GPU's compute capability, the
+run's ``training.deterministic`` and which side trains); :func:`read_environment` fills one from this Python
+(``gpu_env_read``), and the gpu agent's probe fills one from the framework's interpreter. Every entry of
+:data:`KNOWN_ISSUES` cites where the trap is written down and names the fix. An entry that needs what the
+machine cannot tell (no CUDA device: no compute capability) is *undecided*, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Mapping
+
+from crossalign.preflight import gpu_env_read
+from crossalign.versions import version_tuple
+
+Side = Literal["real", "embedded"]
+Status = Literal["refused", "warning", "ok", "undecided"]
+READ_TIMEOUT_S = 300
+READ_MARKER = "@@gpu_env@@"
+
+
+class GpuEnvironmentError(RuntimeError):
+    """A known-bad combination: the run would fail late or train on wrong numbers."""
+
+
+@dataclass(frozen=True)
+class GpuEnvironment:
+    """What the table is held against. Versions are distribution versions (None: not installed)."""
+
+    torch: str | None = None
+    cuda: str | None = None  # torch.version.cuda: the CUDA torch was built for (None: a CPU build)
+    triton: str | None = None
+    fla: str | None = None  # fla-core or flash-linear-attention
+    tilelang: str | None = None
+    transformer_engine: str | None = None
+    megatron_core: str | None = None
+    causal_conv1d: str | None = None
+    capability: tuple[int, int] | None = None  # the GPU's (major, minor); None: no CUDA device seen
+    device_name: str | None = None
+    import_errors: Mapping[str, str] = field(default_factory=dict)  # field -> why its modules do not import
+    deterministic: bool = True  # training.deterministic: Megatron's --deterministic-mode
+    side: Side = "embedded"  # "real": Megatron-LM with TransformerEngine; "embedded": local modules
+
+    @classmethod
+    def from_record(cls, record: Mapping, *, deterministic: bool, side: Side) -> "GpuEnvironment":
+        capability = record.get("capability")
+        return cls(**{name: record.get(name) for name in (*gpu_env_read.DISTRIBUTIONS, "cuda", "device_name")},
+                   capability=tuple(capability) if capability else None,
+                   import_errors=dict(record.get("import_errors") or {}), deterministic=deterministic, side=side)
+
+    def describe(self) -> str:
+        gpu = (f"sm_{self.capability[0]}{self.capability[1]}" + (f" ({self.device_name})" if self.device_name else "")
+               if self.capability else "no CUDA device")
+        parts = [f"torch {self.torch or '-'} (CUDA {self.cuda or 'none'})", f"Triton {self.triton or '-'}",
+                 f"fla {self.fla or '-'}", f"megatron-core {self.megatron_core or '-'}",
+                 f"TransformerEngine {self.transformer_engine or '-'}", f"causal-conv1d {self.causal_conv1d or '-'}",
+                 f"tilelang {self.tilelang or '-'}", gpu]
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One entry of the table against one environment."""
+
+    name: str
+    status: Status
+    detail: str
+    fix: str
+    source: str
+
+    def line(self) -> str:
+        text = f"[{self.status}] {self.name}: {self.detail}"
+        if self.status in ("refused", "warning"):
+            text += f" Fix: {self.fix}"
+        return text + f" (source: {self.source})"
+
+
+@dataclass(frozen=True)
+class KnownIssue:
+    name: str
+    source: str
+    fix: str
+    judge: Callable[[GpuEnvironment], tuple[Status, str]]
+
+    def finding(self, env: GpuEnvironment) -> Finding:
+        status, detail = self.judge(env)
+        return Finding(self.name, status, detail, self.fix, self.source)
+
+
+def _between(version: str, low: tuple[int, int, int], high: tuple[int, int, int]) -> bool:
+    return low <= version_tuple(version, "version") < high
+
+
+def _fla_hopper_triton(env: GpuEnvironment) -> tuple[Status, str]:
+    if env.deterministic:
+        return "ok", ("training.deterministic: Megatron's --deterministic-mode runs torch_chunk_gated_delta_rule; "
+                      "fla's chunk backward never runs")
+    if env.fla is None:
+        return "ok", "fla is not installed (megatron-core's own check refuses GatedDeltaNet without it)"
+    if env.triton is None:
+        return "undecided", "Triton is not installed in this Python: its version decides"
+    if not _between(env.triton, (3, 4, 0), (3, 7, 1)):
+        return "ok", f"Triton {env.triton} is outside [3.4.0, 3.7.1)"
+    if env.capability is None:
+        return "undecided", (f"Triton {env.triton} is in [3.4.0, 3.7.1) and the delta rule is fla's; whether the GPU "
+                             "is a Hopper (sm_90) cannot be told without a CUDA device")
+    if env.capability[0] != 9:
+        return "ok", f"sm_{env.capability[0]}{env.capability[1]} is not a Hopper GPU"
+    if env.tilelang is not None:
+        return "warning", (f"Triton {env.triton} on sm_90: fla dispatches chunk_bwd_dqkwg to tilelang {env.tilelang} "
+                           "where tilelang's verifier takes the shapes, and raises otherwise")
+    return "refused", (f"fla {env.fla} with Triton {env.triton} on sm_90 and training.deterministic false: fla raises "
+                       "\"Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+                       "chunk_bwd_dqkwg (see #640)\" in the first GatedDeltaNet backward (an fla without that guard "
+                       "trains on wrong db and dg).")
+
+
+def _megatron_needs_fla(env: GpuEnvironment) -> tuple[Status, str]:
+    if env.megatron_core is None:
+        return "ok", "megatron-core is not installed here"
+    if env.fla is None:
+        return "refused", (f"megatron-core {env.megatron_core} builds GatedDeltaNet only with fla (its l2norm runs even "
+                           "in deterministic mode); fla is not installed: \"FLA is not installed\" at model build.")
+    if "fla" in env.import_errors:
+        return "refused", (f"fla {env.fla} is installed but megatron-core's imports fail ({env.import_errors['fla']}): "
+                           "megatron-core catches the ImportError and refuses GatedDeltaNet at model build.")
+    return "ok", f"fla {env.fla} provides fla.modules.l2norm and fla.ops.gated_delta_rule"
+
+
+def _megatron_fla_range(env: GpuEnvironment) -> tuple[Status, str]:
+    if env.megatron_core is None or env.fla is None:
+        return "ok", "megatron-core or fla is not installed here"
+    if version_tuple(env.megatron_core, "megatron-core")[:2] != (0, 16):
+        return "ok", f"megatron-core {env.megatron_core}: the entry is about 0.16"
+    if _between(env.fla, (0, 4, 0), (0, 5, 0)):
+        return "ok", f"fla {env.fla} is in megatron-core 0.16's flash-linear-attention~=0.4.0"
+    return "warning", (f"megatron-core {env.megatron_core} was released against flash-linear-attention~=0.4.0; fla "
+                       f"{env.fla} is outside it (fla.modules.l2norm is a compatibility alias there, and fla's "
+                       "kernels, precisions and guards differ): hold the kernels with scripts/gpu_check.sh.")
+
+
+def _causal_conv1d(env: GpuEnvironment) -> tuple[Status, str]:
+    if env.causal_conv1d is None:
+        return "ok", "causal-conv1d is not installed: megatron-core runs torch's conv1d"
+    if env.deterministic:
+        return "ok", "training.deterministic: megatron-core runs torch's conv1d, never causal_conv1d_fn"
+    if "causal_conv1d" in env.import_errors:
+        return "warning", (f"causal-conv1d {env.causal_conv1d} does not import with torch {env.torch} "
+                           f"({env.import_errors['causal_conv1d']}): megatron-core catches the ImportError and runs "
+                           "torch's conv1d instead, without saying so.")
+    if env.megatron_core and version_tuple(env.megatron_core, "megatron-core")[:2] == (0, 16) and not _between(
+            env.causal_conv1d, (1, 5, 0), (2, 0, 0)):
+        return "warning", f"causal-conv1d {env.causal_conv1d} is outside megatron-core 0.16's causal-conv1d~=1.5."
+    return "ok", f"causal-conv1d {env.causal_conv1d} imports"
+
+
+def _transformer_engine(env: GpuEnvironment) -> tuple[Status, str]:
+    if env.side != "real":
+        return "ok", "the embedded side builds megatron-core's local modules: TransformerEngine is not used"
+    if env.transformer_engine is None:
+        return "refused", ("the real Megatron side runs TransformerEngine layers, and TransformerEngine is not "
+                           "installed in this Python.")
+    if "transformer_engine" in env.import_errors:
+        return "refused", (f"TransformerEngine {env.transformer_engine} does not load with torch {env.torch} "
+                           f"({env.import_errors['transformer_engine']}): its torch extension was built for "
+                           "another torch.")
+    if env.megatron_core and version_tuple(env.megatron_core, "megatron-core")[:2] == (0, 16) and not _between(
+            env.transformer_engine, (2, 9, 0), (2, 12, 0)):
+        return "warning", (f"TransformerEngine {env.transformer_engine} is outside megatron-core 0.16's "
+                           "transformer-engine>=2.9.0a0,<2.12.0.")
+    return "ok", f"TransformerEngine {env.transformer_engine} loads with torch {env.torch}"
+
+
+MEGATRON_016 = "megatron-core 0.16.1 METADATA (Megatron-LM core_v0.16.1 pyproject.toml, extra 'dev')"
+KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        "fla GatedDeltaNet backward on Hopper with Triton [3.4.0, 3.7.1)",
+        "fla-core 0.6.0 fla/ops/common/chunk_o.py lines 727-732 (chunk_bwd_dqkwg raises); "
+        "fla-org/flash-linear-attention#640 (the miscompile), #983 (guard narrowed to Triton < 3.7.1); "
+        "fla/ops/common/backends/tilelang/__init__.py lines 17-19 (the tilelang route on Hopper)",
+        "Triton >= 3.7.1 (pip install 'triton>=3.7.1'), or pip install tilelang, "
+        "or training.deterministic: true (Megatron's torch chunk rule)",
+        _fla_hopper_triton),
+    KnownIssue(
+        "megatron-core GatedDeltaNet needs fla",
+        "Megatron-LM core_v0.16.1 megatron/core/ssm/gated_delta_net.py lines 39-47 (imports fla.modules.l2norm and "
+        "fla.ops.gated_delta_rule, ImportError caught) and 103-106 (GatedDeltaNet raises without them)",
+        "install fla-core (pip install --no-deps fla-core) into the framework's Python",
+        _megatron_needs_fla),
+    KnownIssue(
+        "megatron-core 0.16 with fla outside ~=0.4.0",
+        f"{MEGATRON_016}: Requires-Dist flash-linear-attention~=0.4.0",
+        "fla-core 0.4.x, or keep this fla after scripts/gpu_check.sh --no-te passes its kernel checks",
+        _megatron_fla_range),
+    KnownIssue(
+        "causal-conv1d built for another torch",
+        "Megatron-LM core_v0.16.1 megatron/core/ssm/gated_delta_net.py lines 49-53 (ImportError caught: torch conv1d) "
+        "and 326-337; Dao-AILab/causal-conv1d#77 (undefined symbol with a torch it was not built for); "
+        f"{MEGATRON_016}: Requires-Dist causal-conv1d~=1.5",
+        "rebuild it against this torch (pip install --no-build-isolation --no-binary causal-conv1d "
+        "'causal-conv1d~=1.5') or uninstall it",
+        _causal_conv1d),
+    KnownIssue(
+        "TransformerEngine with this torch",
+        "NVIDIA/TransformerEngine#1684 and #1192 (transformer_engine_torch: undefined symbol with a torch it was not "
+        f"built for); {MEGATRON_016}: Requires-Dist transformer-engine>=2.9.0a0,<2.12.0",
+        "build TransformerEngine against this torch (pip install --no-build-isolation 'transformer_engine[pytorch]"
+        ">=2.9,<2.12'), or train without it: backends gpu: local (the embedded side) or scripts/gpu_check.sh --no-te",
+        _transformer_engine),
+)
+
+
+def check(env: GpuEnvironment) -> list[Finding]:
+    """Every entry of the table against ``env`` (pure: no import, no device)."""
+    return [issue.finding(env) for issue in KNOWN_ISSUES]
+
+
+def refusals(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.status == "refused"]
+
+
+def read_environment(*, deterministic: bool, side: Side = "embedded", python: str | None = None) -> GpuEnvironment:
+    """This Python's environment, or (``python``) that interpreter's, read in a separate process."""
+    if python is None or Path(python).resolve() == Path(sys.executable).resolve():
+        return GpuEnvironment.from_record(gpu_env_read.read_environment(), deterministic=deterministic, side=side)
+    try:
+        done = subprocess.run([python, gpu_env_read.__file__], capture_output=True, text=True,
+                              timeout=READ_TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise GpuEnvironmentError(f"reading the GPU environment with {python} failed: {exc}") from None
+    for line in done.stdout.splitlines():
+        if line.startswith(READ_MARKER):
+            return GpuEnvironment.from_record(json.loads(line[len(READ_MARKER):]), deterministic=deterministic,
+                                              side=side)
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    raise GpuEnvironmentError(f"reading the GPU environment with {python} failed: {tail[0]}")
+
+
+def require(env: GpuEnvironment) -> list[Finding]:
+    """The findings, or GpuEnvironmentError naming every refused entry with its fix and source."""
+    findings = check(env)
+    refused = refusals(findings)
+    if refused:
+        raise GpuEnvironmentError(f"GPU environment check ({env.describe()}):\n"
+                                  + "\n".join(f.line() for f in refused))
+    return findings

@@ -1,0 +1,74 @@
+"""Read the GPU environment of this Python: the versions the known-bad table (``gpu_env``) is held against.
+
+Standard library only (torch and the kernels' packages are imported only to ask them), so that the gpu agent's
+probe can run this file with the framework's own interpreter: ``python gpu_env_read.py`` prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import sys
+
+# record field -> the distributions that provide it (first installed wins)
+DISTRIBUTIONS = {
+    "torch": ("torch",),
+    "triton": ("triton", "pytorch-triton"),
+    "fla": ("fla-core", "flash-linear-attention"),
+    "tilelang": ("tilelang",),
+    "transformer_engine": ("transformer-engine", "transformer_engine", "transformer-engine-torch"),
+    "megatron_core": ("megatron-core", "megatron_core"),
+    "causal_conv1d": ("causal-conv1d", "causal_conv1d"),
+}
+# record field -> the modules megatron-core imports from it (core_v0.16.1 megatron/core/ssm/gated_delta_net.py
+# lines 39-53; megatron/core/extensions/transformer_engine.py imports transformer_engine.pytorch)
+IMPORTS = {
+    "fla": ("fla.modules.l2norm", "fla.ops.gated_delta_rule"),
+    "causal_conv1d": ("causal_conv1d",),
+    "transformer_engine": ("transformer_engine.pytorch",),
+}
+
+
+def installed_version(field: str) -> str | None:
+    for name in DISTRIBUTIONS[field]:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def import_error(modules: tuple[str, ...]) -> str | None:
+    """The first failure importing ``modules`` (an undefined symbol of an extension built for another torch,
+    a moved module), or None."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # an extension's ImportError, OSError or RuntimeError alike
+            return f"import {module}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return None
+
+
+def read_environment() -> dict:
+    """Versions, CUDA build, the GPU's compute capability (None without a CUDA device) and import failures."""
+    record: dict = {field: installed_version(field) for field in DISTRIBUTIONS}
+    record.update(cuda=None, capability=None, device_name=None, import_errors={})
+    if record["torch"] is not None:
+        import torch  # only when installed: this file runs in interpreters without it too
+
+        record["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            record["capability"] = list(torch.cuda.get_device_capability(0))
+            record["device_name"] = torch.cuda.get_device_name(0)
+    for field, modules in IMPORTS.items():
+        if record[field] is not None:
+            error = import_error(modules)
+            if error:
+                record["import_errors"][field] = error
+    return record
+
+
+if __name__ == "__main__":
+    print("@@gpu_env@@" + json.dumps(read_environment()))
+    sys.exit(0)

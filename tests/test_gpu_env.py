@@ -1,0 +1,117 @@
+"""The GPU environment check: its table against this machine's installed versions, and the refusals it makes
+for given versions (no GPU needed)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+import pytest
+import torch
+
+from crossalign.preflight import gpu_env
+from crossalign.preflight.gpu_env import GpuEnvironment, GpuEnvironmentError, check, require
+from crossalign.versions import version_tuple
+
+# the environment the issue measured on one H200 (torch 2.11.0+cu130, Triton 3.6.0, fla-core 0.6.0, no TE)
+H200 = dict(torch="2.11.0+cu130", cuda="13.0", triton="3.6.0", fla="0.6.0", megatron_core="0.16.1",
+            capability=(9, 0), device_name="NVIDIA H200")
+
+
+def _finding(findings, start: str):
+    (found,) = [f for f in findings if f.name.startswith(start)]
+    return found
+
+
+def test_the_table_against_the_installed_versions():
+    """Every version the check reads is the installed distribution's; without a CUDA device what needs the GPU
+    is undecided, and says why."""
+    env = gpu_env.read_environment(deterministic=False)
+    assert env.torch == importlib.metadata.version("torch")
+    assert env.fla == importlib.metadata.version("fla-core")
+    assert env.megatron_core == importlib.metadata.version("megatron-core")
+    assert env.triton == importlib.metadata.version("triton")
+    assert env.cuda == torch.version.cuda
+    assert env.import_errors == {}  # megatron-core's fla imports work with the pinned fla
+    findings = check(env)
+    assert [f.name for f in findings] == [issue.name for issue in gpu_env.KNOWN_ISSUES]
+    assert all(f.source and f.fix for f in findings)
+    hopper = _finding(findings, "fla GatedDeltaNet backward on Hopper")
+    if torch.cuda.is_available():
+        assert env.capability == torch.cuda.get_device_capability(0)
+    else:
+        assert env.capability is None
+        if (3, 4, 0) <= version_tuple(env.triton) < (3, 7, 1):
+            assert hopper.status == "undecided" and "without a CUDA device" in hopper.detail
+        else:
+            assert hopper.status == "ok" and f"Triton {env.triton} is outside" in hopper.detail
+    assert _finding(findings, "megatron-core GatedDeltaNet needs fla").status == "ok"
+    in_range = (0, 4, 0) <= version_tuple(env.fla) < (0, 5, 0)
+    assert _finding(findings, "megatron-core 0.16 with fla").status == ("ok" if in_range else "warning")
+    # the embedded side never needs TransformerEngine; the real side refuses without it
+    assert _finding(findings, "TransformerEngine").status == "ok"
+    real = check(gpu_env.read_environment(deterministic=True, side="real", python=sys.executable))
+    te_installed = env.transformer_engine is not None
+    assert (_finding(real, "TransformerEngine").status == "refused") is not te_installed
+
+
+def test_undecided_without_a_device_when_triton_is_in_the_range():
+    env = GpuEnvironment(**{**H200, "capability": None, "device_name": None}, deterministic=False)
+    hopper = _finding(check(env), "fla GatedDeltaNet backward on Hopper")
+    assert hopper.status == "undecided"
+    assert "cannot be told without a CUDA device" in hopper.detail
+
+
+def test_fla_triton_hopper_is_refused_with_the_fix_and_its_source():
+    env = GpuEnvironment(**H200, deterministic=False)
+    with pytest.raises(GpuEnvironmentError) as raised:
+        require(env)
+    message = str(raised.value)
+    assert "fla 0.6.0 with Triton 3.6.0 on sm_90 and training.deterministic false" in message
+    assert "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results" in message
+    assert "Triton >= 3.7.1" in message and "tilelang" in message and "training.deterministic: true" in message
+    assert "fla/ops/common/chunk_o.py lines 727-732" in message and "#640" in message
+    assert "sm_90 (NVIDIA H200)" in message  # the environment it judged
+    (refused,) = gpu_env.refusals(check(env))
+    assert refused.name.startswith("fla GatedDeltaNet backward on Hopper")
+
+
+@pytest.mark.parametrize("change, status", [
+    ({"deterministic": True}, "ok"),  # Megatron's torch chunk rule: fla's backward never runs
+    ({"triton": "3.7.1"}, "ok"),
+    ({"triton": "3.3.1"}, "ok"),
+    ({"capability": (8, 0), "device_name": "NVIDIA A100"}, "ok"),
+    ({"capability": (10, 0), "device_name": "NVIDIA B200"}, "ok"),
+    ({"tilelang": "0.1.6"}, "warning"),
+])
+def test_each_way_out_of_the_hopper_entry(change, status):
+    env = GpuEnvironment(**{**H200, **{k: v for k, v in change.items() if k != "deterministic"}},
+                         deterministic=change.get("deterministic", False))
+    assert _finding(check(env), "fla GatedDeltaNet backward on Hopper").status == status
+
+
+def test_the_other_entries_for_given_versions():
+    broken_conv = GpuEnvironment(**H200, causal_conv1d="1.5.2", deterministic=False,
+                                 import_errors={"causal_conv1d": "import causal_conv1d: ImportError: undefined symbol"})
+    conv = _finding(check(broken_conv), "causal-conv1d")
+    assert conv.status == "warning" and "runs torch's conv1d instead" in conv.detail
+    assert _finding(check(GpuEnvironment(**H200, causal_conv1d="1.5.2", deterministic=True,
+                                         import_errors=broken_conv.import_errors)), "causal-conv1d").status == "ok"
+    no_fla = GpuEnvironment(**{**H200, "fla": None}, deterministic=True)
+    assert _finding(check(no_fla), "megatron-core GatedDeltaNet needs fla").status == "refused"
+    te_env = dict(H200, transformer_engine="2.10.0")
+    assert _finding(check(GpuEnvironment(**te_env, side="real")), "TransformerEngine").status == "ok"
+    broken_te = GpuEnvironment(**te_env, side="real", import_errors={
+        "transformer_engine": "import transformer_engine.pytorch: ImportError: undefined symbol"})
+    assert _finding(check(broken_te), "TransformerEngine").status == "refused"
+    old_te = GpuEnvironment(**dict(H200, transformer_engine="2.4.0"), side="real")
+    assert _finding(check(old_te), "TransformerEngine").status == "warning"
+    assert _finding(check(GpuEnvironment(**dict(H200, fla="0.4.1"))), "megatron-core 0.16 with fla").status == "ok"
+
+
+def test_a_record_from_another_interpreter_round_trips():
+    record = {**H200, "capability": [9, 0], "import_errors": {}}
+    env = GpuEnvironment.from_record(record, deterministic=False, side="embedded")
+    assert env == GpuEnvironment(**H200, deterministic=False)
+    with pytest.raises(GpuEnvironmentError, match="reading the GPU environment with .* failed"):
+        gpu_env.read_environment(deterministic=True, python=sys.executable + "-no-such")
