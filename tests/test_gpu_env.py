@@ -115,3 +115,24 @@ def test_a_record_from_another_interpreter_round_trips():
     assert env == GpuEnvironment(**H200, deterministic=False)
     with pytest.raises(GpuEnvironmentError, match="reading the GPU environment with .* failed"):
         gpu_env.read_environment(deterministic=True, python=sys.executable + "-no-such")
+
+
+def test_preflight_gpu_command():
+    from typer.testing import CliRunner
+
+    from crossalign.cli import app
+
+    embedded = CliRunner().invoke(app, ["preflight", "gpu", "--model", "qwen35_moe_tiny",
+                                        "--set", "training.deterministic=false"])
+    assert embedded.exit_code == 0, embedded.output
+    assert "fla GatedDeltaNet backward on Hopper" in embedded.output
+    assert f"fla {importlib.metadata.version('fla-core')}" in embedded.output
+    real = CliRunner().invoke(app, ["preflight", "gpu", "--model", "qwen35_moe_tiny", "--side", "real",
+                                    "--python", sys.executable])
+    te_installed = gpu_env.gpu_env_read.installed_version("transformer_engine") is not None
+    assert real.exit_code == (0 if te_installed else 1), real.output
+    if not te_installed:
+        assert "1 refused: TransformerEngine with this torch" in real.output
+        assert "'transformer_engine[pytorch]>=2.9,<2.12'" in real.output  # printed as written, not as markup
+    bad = CliRunner().invoke(app, ["preflight", "gpu", "--model", "qwen35_moe_tiny", "--side", "gpu"])
+    assert bad.exit_code == 2 and "--side 'gpu' is not one of embedded, real" in bad.output

@@ -1,4 +1,4 @@
-"""``crossalign patch check|apply`` and ``crossalign preflight config``.
+"""``crossalign patch check|apply``, ``crossalign preflight config`` and ``crossalign preflight gpu``.
 
 What a command runs is imported inside it, so that ``crossalign --help`` starts without torch, MindSpore or Prefect.
 """
@@ -145,3 +145,49 @@ def config(
                           soft_wrap=True)
         raise typer.Exit(1)
     console.print("[green]both sides will train with the same settings[/]")
+
+
+STATUS_MARK = {"ok": "[green]ok[/]", "warning": "[yellow]warning[/]", "undecided": "[cyan]undecided[/]",
+               "refused": "[bold red]REFUSED[/]"}
+
+
+@preflight_app.command("gpu")
+def gpu(
+    model: str = typer.Option(..., "--model", help="Model config name or YAML path (its training.deterministic "
+                              "decides which GatedDeltaNet kernels run)."),
+    side: str = typer.Option("embedded", "--side", help="embedded: megatron-core's local modules (no "
+                             "TransformerEngine); real: Megatron-LM with TransformerEngine."),
+    python: Optional[str] = typer.Option(None, "--python", help="The interpreter that will train (default: the "
+                                         "site's megatron.python for --side real, else this one)."),
+    overrides: list[str] = typer.Option([], "--set", help="override a config value: training.deterministic=false"),
+) -> None:
+    """Hold this machine's torch, CUDA, Triton, fla, TransformerEngine, megatron-core, causal-conv1d and GPU
+    against the known-bad combinations; exit 1 naming each refused one with its fix."""
+    from rich.markup import escape
+
+    from crossalign.config import ConfigError, load_config
+    from crossalign.preflight.gpu_env import GpuEnvironmentError, check, read_environment
+    from crossalign.site import load_site
+
+    if side not in ("embedded", "real"):
+        err_console.print(f"[bold red]error:[/] --side {side!r} is not one of embedded, real", soft_wrap=True)
+        raise typer.Exit(2)
+    with user_errors(ConfigError, GpuEnvironmentError):
+        cfg = load_config(model, overrides)
+        interpreter = python or (load_site().megatron.python if side == "real" else None)
+        env = read_environment(deterministic=cfg.training.deterministic, side=side,  # type: ignore[arg-type]
+                               python=interpreter)
+    findings = check(env)
+    console.print(f"[bold]preflight gpu ({side} side):[/] {escape(env.describe())}", highlight=False)
+    for finding in findings:  # one paragraph each: the sources and fixes are sentences, too long for a table
+        console.print(f"{STATUS_MARK[finding.status]}  [bold]{escape(finding.name)}[/]: {escape(finding.detail)}", highlight=False)
+        if finding.status in ("refused", "warning"):
+            console.print(f"    fix: {escape(finding.fix)}", highlight=False)
+        console.print(f"    [dim]source: {escape(finding.source)}[/]", highlight=False)
+    refused = [f.name for f in findings if f.status == "refused"]
+    if refused:
+        err_console.print(f"[bold red]{len(refused)} refused:[/] {'; '.join(refused)}", soft_wrap=True)
+        raise typer.Exit(1)
+    console.print("[green]no known-bad combination[/]" + (
+        f" ({sum(f.status == 'undecided' for f in findings)} undecided on this machine)"
+        if any(f.status == "undecided" for f in findings) else ""))
