@@ -27,8 +27,10 @@ def test_real_gpu_pool_is_refused_without_its_interpreter_and_checkout(tmp_path)
                                       "megatron": {"path": str(tmp_path / "Megatron-LM"), "python": "/opt/none/python"}})
     checks = probe_pool("gpu", site)
     absent = {c.name: c.detail for c in missing(checks)}
-    assert set(absent) == {"torch with CUDA", "TransformerEngine", "flash-linear-attention", "Megatron-LM checkout"}
+    assert set(absent) == {"torch with CUDA", "TransformerEngine", "flash-linear-attention", "Megatron-LM checkout",
+                           "GPU environment"}
     assert absent["torch with CUDA"] == "interpreter /opt/none/python not found"
+    assert absent["GPU environment"].startswith("reading the GPU environment with /opt/none/python failed")
     assert "no pretrain_gpt.py there" in absent["Megatron-LM checkout"]
 
 
@@ -180,3 +182,13 @@ def test_every_step_has_a_default_timeout_from_its_config_and_the_site_overrides
     assert step_timeout(run, "pynative-train", SiteConfig.model_validate({"step_timeout_s": 90})) == 90
     with pytest.raises(ValueError, match="step_timeout_s"):
         SiteConfig.model_validate({"step_timeout_s": 0})
+
+
+def test_embedded_gpu_pool_holds_the_gpu_environment_check():
+    """The embedded GPU side's probe reads this Python's versions into the known-bad table: nothing the pinned
+    versions are refused for, and megatron-core 0.16 with fla 0.6 named as outside its tested range."""
+    checks = probe_pool("gpu", SiteConfig.model_validate({"backends": {"gpu": "local"}}))
+    environment = {c.name: c for c in checks if c.name.startswith("GPU environment")}
+    assert not [c for c in environment.values() if c.required and not c.ok]
+    fla_range = environment["GPU environment: megatron-core 0.16 with fla outside ~=0.4.0"]
+    assert fla_range.ok and fla_range.detail.startswith("warning: megatron-core 0.16.1")

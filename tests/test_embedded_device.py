@@ -39,3 +39,16 @@ def test_the_implementation_names_the_device():
     config = load_config("qwen35_moe_tiny")
     cpu = config.model_copy(update={"training": config.training.model_copy(update={"embedded_device": "cpu"})})
     assert "optimizer and scheduler on CPU" in LocalMegatronBackend().implementation(cpu)
+
+
+def test_kernels_name_what_megatron_core_imported():
+    from megatron.core.ssm import gated_delta_net
+
+    gpu = device.kernels("cuda", False)
+    assert gpu["conv1d"] == ("torch conv1d" if gated_delta_net.causal_conv1d_fn is None
+                             else "causal_conv1d_fn (causal-conv1d)")
+    assert gpu["l2norm"] == "fla l2norm (Triton)"  # fla is pinned: megatron-core's import of it succeeded
+
+
+def test_the_environment_is_checked_only_before_gpu_training():
+    assert device.checked_environment("cpu", deterministic=False) == []

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from crossalign.agents.pools import FLOW_RUN_PYTHON, POOLS
+from crossalign.preflight import gpu_env
 from crossalign.patching import PatchError, apply_patch, check_patch, defined_classes, load_patches
 from crossalign.sides.launch import BackendSetupError
 from crossalign.sides.megatron.backend import dataset_helpers_problem, python_mismatch, python_requirement
@@ -183,15 +184,42 @@ def _pool_checks(pool: str, site: SiteConfig, apply_patches: bool) -> list[Check
     if site.backends.get("gpu", "local") == "local":
         return _import_checks([("torch", "torch (CPU backend)", True), ("fla", "flash-linear-attention", True),
                                ("megatron.core", "megatron-core", True)], None) + [
-            Check("backend", True, "local: the embedded PyTorch trainer on CPU", required=False)]
+            Check("backend", True, "local: the embedded megatron-core trainer (training.embedded_device)",
+                  required=False), *gpu_environment_checks(None, "embedded")]
     framework = site.megatron
     if framework.ssh_host is not None:
         return [_remote(framework)]
     checkout = _checkout("Megatron-LM checkout", framework, "pretrain_gpt.py")
     return (_import_checks([("torch:cuda", "torch with CUDA", True), ("transformer_engine", "TransformerEngine", True),
                             ("fla", "flash-linear-attention", True)], framework.python) + [checkout]
+            + gpu_environment_checks(framework.python, "real")
             + ([_megatron_python(framework), _dataset_helpers(framework)]
                + _patches("megatron", framework, apply_patches) if checkout.ok else []))
+
+
+def gpu_environment_checks(python: str | None, side: gpu_env.Side) -> list[Check]:
+    """The GPU environment check (``crossalign preflight gpu``) in the interpreter that will train. The agent does
+    not know the runs' training.deterministic: a combination refused either way is a missing requirement; one
+    refused only without it (the fla/Triton/Hopper trap) is reported, not required, naming the setting."""
+    try:
+        either = {deterministic: gpu_env.check(gpu_env.read_environment(deterministic=deterministic, side=side,
+                                                                         python=python))
+                  for deterministic in (True, False)}
+    except gpu_env.GpuEnvironmentError as exc:
+        return [Check("GPU environment", False, str(exc))]
+    checks = []
+    for always, without in zip(either[True], either[False]):
+        if always.status == "refused":
+            checks.append(Check(f"GPU environment: {always.name}", False, f"{always.detail} Fix: {always.fix}"))
+        elif without.status == "refused":
+            checks.append(Check(f"GPU environment: {without.name}", False,
+                                f"runs with training.deterministic: false are refused: {without.detail} "
+                                f"Fix: {without.fix}", required=False))
+        elif {"undecided", "warning"} & {always.status, without.status}:
+            shown = without if without.status in ("undecided", "warning") else always
+            checks.append(Check(f"GPU environment: {shown.name}", True, f"{shown.status}: {shown.detail}",
+                                required=False))
+    return checks or [Check("GPU environment", True, "no known-bad combination", required=False)]
 
 
 def _dataset_helpers(framework: FrameworkSite) -> Check:

@@ -12,10 +12,11 @@ causal-conv1d when installed).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from typing import Iterator
 
 import torch
+
+from crossalign.preflight import gpu_env
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -38,23 +39,40 @@ def resolve(setting: str) -> str:
 
 def kernels(device: str, deterministic: bool) -> dict[str, str]:
     """The GatedDeltaNet kernels megatron-core takes on ``device`` (core_v0.16.1 megatron/core/ssm/
-    gated_delta_net.py: ``deterministic_mode`` picks torch_chunk_gated_delta_rule and torch conv1d)."""
-    if device == "cpu" or deterministic:
-        delta = "megatron.core torch_chunk_gated_delta_rule"
-        conv = "torch conv1d"
+    gated_delta_net.py: ``deterministic_mode`` picks torch_chunk_gated_delta_rule and torch conv1d). What
+    megatron-core imported decides, not what is installed: it catches the ImportError of a causal-conv1d built
+    for another torch and runs torch's conv1d (lines 49-53)."""
+    if device == "cpu":
+        return {"delta_rule": "megatron.core torch_chunk_gated_delta_rule", "l2norm": "torch l2norm (mcore_cpu)",
+                "conv1d": "torch conv1d"}
+    from crossalign.data.mcore import quiet_megatron_import
+
+    with quiet_megatron_import():  # what megatron-core's GatedDeltaNet module found at import
+        from megatron.core.ssm import gated_delta_net
+
+    fla = getattr(gated_delta_net, "HAVE_FLA", False)
+    if deterministic:
+        delta, conv = "megatron.core torch_chunk_gated_delta_rule", "torch conv1d"
     else:
-        delta = "fla chunk_gated_delta_rule (Triton)"
-        conv = ("causal_conv1d_fn (causal-conv1d)" if importlib.util.find_spec("causal_conv1d") is not None
+        delta = "fla chunk_gated_delta_rule (Triton)" if fla else "none: fla does not import"
+        conv = ("causal_conv1d_fn (causal-conv1d)" if getattr(gated_delta_net, "causal_conv1d_fn", None) is not None
                 else "torch conv1d")
-    l2norm = "torch l2norm (mcore_cpu)" if device == "cpu" else (
-        "fla l2norm (Triton)" if importlib.util.find_spec("fla") is not None else "torch l2norm")
-    return {"delta_rule": delta, "l2norm": l2norm, "conv1d": conv}
+    return {"delta_rule": delta, "l2norm": "fla l2norm (Triton)" if fla else "none: fla does not import",
+            "conv1d": conv}
 
 
 def details(device: str, deterministic: bool) -> dict[str, object]:
     """What the step's manifest and the report say about where and with which kernels the run trained."""
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {"device": device, "device_name": name, "kernels": kernels(device, deterministic)}
+
+
+def checked_environment(device: str, deterministic: bool) -> list[gpu_env.Finding]:
+    """On a GPU, the GPU environment check before any GPU time is spent (``GpuEnvironmentError`` naming each
+    refused combination and its fix); nothing to check on CPU."""
+    if device != "cuda":
+        return []
+    return gpu_env.require(gpu_env.read_environment(deterministic=deterministic, side="embedded"))
 
 
 @contextlib.contextmanager
