@@ -48,7 +48,3 @@ def test_kernels_name_what_megatron_core_imported():
     assert gpu["conv1d"] == ("torch conv1d" if gated_delta_net.causal_conv1d_fn is None
                              else "causal_conv1d_fn (causal-conv1d)")
     assert gpu["l2norm"] == "fla l2norm (Triton)"  # fla is pinned: megatron-core's import of it succeeded
-
-
-def test_the_environment_is_checked_only_before_gpu_training():
-    assert device.checked_environment("cpu", deterministic=False) == []

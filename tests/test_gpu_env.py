@@ -136,3 +136,19 @@ def test_preflight_gpu_command():
         assert "'transformer_engine[pytorch]>=2.9,<2.12'" in real.output  # printed as written, not as markup
     bad = CliRunner().invoke(app, ["preflight", "gpu", "--model", "qwen35_moe_tiny", "--side", "gpu"])
     assert bad.exit_code == 2 and "--side 'gpu' is not one of embedded, real" in bad.output
+
+
+def test_the_step_checks_the_gpu_environment_only_before_an_in_process_gpu_run():
+    from crossalign.config import load_config
+    from crossalign.sides.megatron.embedded.trainer import LocalMegatronBackend
+    from crossalign.tasks.training import checked_gpu_environment
+
+    config = load_config("qwen35_moe_tiny", ["training.embedded_device=cpu"])
+    assert checked_gpu_environment(LocalMegatronBackend(), config) == []
+    assert checked_gpu_environment(object(), config) == []  # a backend that trains elsewhere: its agent's probe
+    if not torch.cuda.is_available():
+        from crossalign.sides.megatron.embedded.device import EmbeddedDeviceError
+
+        with pytest.raises(EmbeddedDeviceError, match="cuda, but torch sees no GPU"):
+            checked_gpu_environment(LocalMegatronBackend(), load_config("qwen35_moe_tiny",
+                                                                        ["training.embedded_device=cuda"]))

@@ -15,12 +15,23 @@ from __future__ import annotations
 from typing import Any
 
 from crossalign.dag import StepSpec
+from crossalign.preflight import gpu_env
 from crossalign.sides.protocol import StepCallback, TrainRequest
 from crossalign.site import SiteConfig
 from crossalign.stop import STOPPABLE, check_stop, keep_log, stopping
 from crossalign.store import Run
 from crossalign.tasks.backends import training_backend
 from crossalign.tasks.command import step_command
+
+
+def checked_gpu_environment(backend, config) -> list[gpu_env.Finding]:
+    """Before a backend that trains in this process takes the GPU (the embedded megatron-core trainer with
+    ``training.embedded_device`` cuda, or auto on a GPU machine): the GPU environment check, which raises
+    ``GpuEnvironmentError`` naming each refused combination and its fix. Nothing on CPU."""
+    device = getattr(backend, "device", None)
+    if device is None or device(config) != "cuda":
+        return []
+    return gpu_env.require(gpu_env.read_environment(deterministic=config.training.deterministic, side="embedded"))
 
 
 def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | None = None) -> dict[str, Any]:
@@ -35,6 +46,7 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
                                output_dir=out.dir,
                                init_checkpoint=None if base else run.step_dir(spec.inputs[0]) / "checkpoint",
                                save=base, on_step=on_step, published_dir=out.final_dir)
+        environment = checked_gpu_environment(backend, run.config)
         try:
             result = backend.train(request)
         except BaseException:
@@ -48,4 +60,6 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
                            log=result.log_path.relative_to(out.dir).as_posix(),
                            checkpoint=None if result.checkpoint_dir is None
                            else result.checkpoint_dir.relative_to(out.dir).as_posix())
+        if environment:  # what the GPU environment check found short of a refusal
+            out.details["gpu_environment"] = [f.line() for f in environment if f.status != "ok"]
     return run.manifest(spec.name)

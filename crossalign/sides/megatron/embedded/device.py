@@ -16,8 +16,6 @@ from typing import Iterator
 
 import torch
 
-from crossalign.preflight import gpu_env
-
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -65,14 +63,6 @@ def details(device: str, deterministic: bool) -> dict[str, object]:
     """What the step's manifest and the report say about where and with which kernels the run trained."""
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {"device": device, "device_name": name, "kernels": kernels(device, deterministic)}
-
-
-def checked_environment(device: str, deterministic: bool) -> list[gpu_env.Finding]:
-    """On a GPU, the GPU environment check before any GPU time is spent (``GpuEnvironmentError`` naming each
-    refused combination and its fix); nothing to check on CPU."""
-    if device != "cuda":
-        return []
-    return gpu_env.require(gpu_env.read_environment(deterministic=deterministic, side="embedded"))
 
 
 @contextlib.contextmanager

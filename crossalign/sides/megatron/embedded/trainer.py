@@ -376,7 +376,6 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
     if device == "cuda" and request.config.parallel.megatron.world_size > 1:
         raise devices.EmbeddedDeviceError("training.embedded_device: cuda trains in one process; a sharded "
                                           "parallel.megatron layout trains with embedded_device: cpu")
-    findings = devices.checked_environment(device, training.deterministic)
     started = time.perf_counter()
     if request.config.parallel.megatron.world_size == 1:
         _train_rank(request, state, checkpoint_iteration, batches)
@@ -384,9 +383,7 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
         _train_ranks(request, state, checkpoint_iteration, batches[:total])
     return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
                        iterations=total, seconds=time.perf_counter() - started,
-                       details={**devices.details(device, training.deterministic),
-                                **({"environment": [f.line() for f in findings if f.status != "ok"]}
-                                   if findings else {})})
+                       details=devices.details(device, training.deterministic))
 
 
 def save_checkpoint(net, request: TrainRequest, iteration: int) -> Path:
@@ -439,6 +436,11 @@ class LocalMegatronBackend:
         device = devices.resolve(config.training.embedded_device).upper()
         return (f"{IMPLEMENTATION} {version('megatron-core')} "
                 f"(GPTModel, DDP, optimizer and scheduler on {device}, {precision})")
+
+    def device(self, config: AlignmentConfig) -> str:
+        """Where it trains: ``cpu`` or ``cuda`` (``training.embedded_device``); the step checks the GPU environment
+        before a GPU run."""
+        return devices.resolve(config.training.embedded_device)
 
     def train(self, request: TrainRequest) -> TrainResult:
         if request.mode != "align":
