@@ -34,11 +34,19 @@
 #     pip install --no-index --find-links wheels -c keep-torch.txt -e crossalign tokenizers einops
 #     pip install --no-index --no-deps wheels/fla_core-*.whl wheels/megatron_core-*.whl
 #
+# Without TransformerEngine (--no-te): megatron-core with its local modules and fla, as crossalign's embedded
+# side builds them, trains --iterations (30) in bf16 on the GPU; printed: the GPU environment check, the kernels
+# that ran, step 1 against the fp32 reference, and the run against the same batches in fp32 on CPU through
+# `crossalign compare`. No Megatron-LM checkout and no TransformerEngine needed (under 5 minutes with the tiny
+# configs on one H200). --device cpu runs the same on CPU (no GPU: the check's own test does that).
+#
 # Usage, from any working directory (every path is made absolute: the run script changes into the
 # Megatron-LM checkout):
 #        MEGATRON_LM=/path/to/Megatron-LM bash scripts/gpu_check.sh [--work DIR] [--model qwen35_moe_tiny]
 #        bash scripts/gpu_check.sh --skip-megatron   # only the delta-rule check (no Megatron-LM/TE needed)
 #        MEGATRON_LM=... bash scripts/gpu_check.sh --dry-run   # inputs and Megatron's run script, no GPU
+#        bash scripts/gpu_check.sh --no-te [--iterations 30] [--no-deterministic]   # where TE cannot be had
+#        bash scripts/gpu_check.sh --no-te --device cpu --iterations 3   # the same without a GPU
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -46,7 +54,9 @@ python="${PYTHON:-python3}"
 args=("$@")
 given() { [[ " ${args[*]-} " == *" $1 "* ]]; }
 
-if ! given --dry-run; then
+on_cpu=false
+if given "--device cpu"; then on_cpu=true; fi
+if ! given --dry-run && ! $on_cpu; then
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
     "$python" - <<'PY'
 import importlib, sys
@@ -60,7 +70,7 @@ PY
 fi
 
 megatron=()
-if ! given --skip-megatron; then
+if ! given --skip-megatron && ! given --no-te; then
     : "${MEGATRON_LM:?set MEGATRON_LM to the Megatron-LM checkout (or pass --skip-megatron)}"
     checkout="$(cd "$MEGATRON_LM" && pwd)" || { echo "gpu_check: MEGATRON_LM=$MEGATRON_LM is not a folder" >&2; exit 1; }
     megatron=(--megatron "$checkout")
