@@ -48,3 +48,26 @@ def test_kernels_name_what_megatron_core_imported():
     assert gpu["conv1d"] == ("torch conv1d" if gated_delta_net.causal_conv1d_fn is None
                              else "causal_conv1d_fn (causal-conv1d)")
     assert gpu["l2norm"] == "fla l2norm (Triton)"  # fla is pinned: megatron-core's import of it succeeded
+
+
+def test_the_report_names_the_device_and_kernels_each_side_trained_with(tmp_path):
+    """What the training step records (``device.details``, in its manifest) reaches summary.json and the
+    report's heading."""
+    import html
+    import json
+    from pathlib import Path
+
+    from crossalign.report.compare import CompareOptions, compare_logs
+
+    logs = Path(__file__).parent / "fixtures" / "logs"
+    recorded = device.details("cpu", True)
+    summary = compare_logs(logs / "mindformers_pynative.log", logs / "megatron_0.16_noise.log", tmp_path,
+                           CompareOptions(plot=False), implementations={"gpu": "megatron-core 0.16.1"},
+                           trained_on={"gpu": recorded})
+    gpu = json.loads((tmp_path / "summary.json").read_text())["inputs"]["gpu"]
+    assert gpu["device"] == "cpu" and gpu["kernels"] == recorded["kernels"] == summary.inputs["gpu"]["kernels"]
+    named = ("trained by megatron-core 0.16.1 on cpu (kernels: delta rule megatron.core "
+             "torch_chunk_gated_delta_rule, l2norm torch l2norm (mcore_cpu), conv1d torch conv1d)")
+    assert named in (tmp_path / "report.md").read_text()
+    assert html.escape(named) in (tmp_path / "report.html").read_text()
+    assert "device" not in summary.inputs["npu"]  # a side that recorded nothing says nothing

@@ -334,12 +334,18 @@ def parse_both(npu_log: Path, gpu_log: Path, options: CompareOptions) -> tuple[p
     return parse_log(Path(npu_log), **kwargs), parse_log(Path(gpu_log), **kwargs)
 
 
+TRAINED_ON = ("device", "device_name", "kernels")  # what a training step's manifest says about where it trained
+
+
 def compare_logs(npu_log: Path, gpu_log: Path, out_dir: Path, options: CompareOptions | None = None, *,
-                 implementations: dict[str, str] | None = None, run_link: dict | None = None) -> Summary:
+                 implementations: dict[str, str] | None = None, trained_on: dict[str, dict] | None = None,
+                 run_link: dict | None = None) -> Summary:
     """Parse, judge and write the report into ``out_dir``; raises LogFormatError on an unreadable log.
 
     ``implementations`` (side -> what trained it, from the training steps' manifests) is named in the report,
     and decides the precision when both name theirs (the embedded trainers do: "fp32", "bf16 on ...").
+    ``trained_on`` (side -> the training step's ``device``, ``device_name`` and ``kernels``, from its manifest)
+    says where and with which GatedDeltaNet kernels that side trained.
     ``run_link`` ({run_id, url}) names the DAG run in the report's heading and links its flow run in Prefect.
     """
     options = options or CompareOptions()
@@ -353,11 +359,13 @@ def compare_logs(npu_log: Path, gpu_log: Path, out_dir: Path, options: CompareOp
     summary, merged = build_summary(npu, gpu, options)
     for side, implementation in (implementations or {}).items():
         summary.inputs[side]["implementation"] = implementation
+    for side, where in (trained_on or {}).items():
+        summary.inputs[side].update({key: where[key] for key in TRAINED_ON if where.get(key)})
     judged = time.perf_counter()
     summary.timings = {"parse_s": round(parsed - started, 4), "compare_s": round(judged - parsed, 4)}
     write_outputs(summary, merged, Path(out_dir), plot=options.plot, run_link=run_link)
     return summary
 
 
-__all__ = ["CompareOptions", "DAG_LOG_INTERVAL", "Summary", "build_summary", "compare_logs", "options_from_config",
-           "parse_both"]
+__all__ = ["CompareOptions", "DAG_LOG_INTERVAL", "Summary", "TRAINED_ON", "build_summary", "compare_logs",
+           "options_from_config", "parse_both"]

@@ -118,9 +118,16 @@ def _list_md(items: list[str]) -> str:
 
 
 def _ran(side: str, summary: Summary) -> str:
-    """", trained by <implementation>" where the run recorded what trained that side."""
-    implementation = summary.inputs[side].get("implementation")
-    return f", trained by {implementation}" if implementation else ""
+    """", trained by <implementation> on <device> (kernels: ...)" from what the run recorded about that side."""
+    given = summary.inputs[side]
+    text = f", trained by {given['implementation']}" if given.get("implementation") else ""
+    if given.get("device"):
+        name = given.get("device_name")
+        text += f" on {given['device']}" + (f" ({name})" if name and name != given["device"] else "")
+    if given.get("kernels"):
+        text += " (kernels: " + ", ".join(f"{kind.replace('_', ' ')} {kernel}"
+                                          for kind, kernel in given["kernels"].items()) + ")"
+    return text
 
 
 def render_markdown(summary: Summary, steps: pd.DataFrame, with_plot: bool, run_link: dict | None = None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from crossalign.dag import StepSpec
-from crossalign.report.compare import DAG_LOG_INTERVAL, compare_logs, options_from_config
+from crossalign.report.compare import DAG_LOG_INTERVAL, TRAINED_ON, compare_logs, options_from_config
 from crossalign.sides.protocol import StepCallback
 from crossalign.site import SiteConfig
 from crossalign.store import Run, write_json_atomic
@@ -35,9 +35,11 @@ def compare(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | 
         implementations = {pool: manifest["details"]["implementation"]
                            for pool, manifest in (("npu", npu), ("gpu", gpu))
                            if manifest.get("details", {}).get("implementation")}
+        trained_on = {pool: {key: manifest["details"][key] for key in TRAINED_ON if key in manifest["details"]}
+                      for pool, manifest in (("npu", npu), ("gpu", gpu)) if manifest.get("details")}
         flow_run = run.info.get("prefect_flow_run") or {}
         summary = compare_logs(logs["npu"], logs["gpu"], out.dir, options, implementations=implementations,
-                               run_link={"run_id": run.run_id, "url": flow_run.get("url")})
+                               trained_on=trained_on, run_link={"run_id": run.run_id, "url": flow_run.get("url")})
         data = summary.to_dict()
         if not (out.dir / SUMMARY).exists():
             write_json_atomic(out.dir / SUMMARY, data)
