@@ -19,7 +19,10 @@ sizes), so the figures compare with that check's on a GPU.
 
 Measured (fla-core 0.6.0, Triton 3.9.0 interpreter, seq 128, 2 heads of 16): exact fp32 6.3e-7; TF32 by
 truncation 1.462e-3 (an H200 read 1.46e-3 for the same inputs), by rounding 4.1e-4; with
-``TRITON_F32_DEFAULT=ieee`` 1.1e-5 (truncation).
+``TRITON_F32_DEFAULT=ieee`` 1.1e-5 (truncation). The H200 run read 1.46e-3 with ``TRITON_F32_DEFAULT=ieee``
+too, where this predicts 1.1e-5: the variable did not reach the kernels that ran there (Triton reads it when it
+compiles a kernel; a kernel compiled before it was set is reused from Triton's cache unless the variable is part
+of the cache key). A GPU run with an empty ``TRITON_CACHE_DIR`` decides it.
 """
 
 from __future__ import annotations

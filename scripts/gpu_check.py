@@ -297,7 +297,9 @@ def train_embedded_process(options, device: str, precision: str) -> dict:
                "--work", str(options.work), "--model", options.model, "--iterations", str(options.iterations)]
     if options.deterministic is not None:
         command.append("--deterministic" if options.deterministic else "--no-deterministic")
-    done = subprocess.run(command, text=True, stdout=subprocess.PIPE, stderr=None)
+    # the CPU run sees no GPU, as on a CPU machine: megatron-core's CPU workarounds are made for that
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
+    done = subprocess.run(command, text=True, stdout=subprocess.PIPE, stderr=None, env=env)
     lines = done.stdout.splitlines()
     for line in lines:
         if not line.startswith(RESULT_MARKER):
@@ -428,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         checks, added = run_no_te(options, config, data, checkpoint)
     else:
         if not options.skip_megatron:
+            lines, clear = environment_lines(config, "real")
+            print("\n".join(lines), flush=True)
+            if not clear:
+                raise RuntimeError("the GPU environment check refused this machine (above)")
             print("[2/4] Megatron: two iterations through the real backend", flush=True)
             log = train_megatron(config, data, checkpoint, work, megatron)  # type: ignore[arg-type]
             print("[3/4] fp32 reference on CPU, step-1 losses", flush=True)

@@ -167,12 +167,12 @@ def gpu(
 
     from crossalign.config import ConfigError, load_config
     from crossalign.preflight.gpu_env import GpuEnvironmentError, check, read_environment
-    from crossalign.site import load_site
+    from crossalign.site import SiteError, load_site
 
     if side not in ("embedded", "real"):
         err_console.print(f"[bold red]error:[/] --side {side!r} is not one of embedded, real", soft_wrap=True)
         raise typer.Exit(2)
-    with user_errors(ConfigError, GpuEnvironmentError):
+    with user_errors(ConfigError, GpuEnvironmentError, SiteError):
         cfg = load_config(model, overrides)
         interpreter = python or (load_site().megatron.python if side == "real" else None)
         env = read_environment(deterministic=cfg.training.deterministic, side=side,  # type: ignore[arg-type]
