@@ -258,6 +258,20 @@ def delta_rule_check(config: AlignmentConfig, device: str = "cuda", seed: int = 
                  float(reference.norm()), float(out.norm()), tolerance, float((out - reference).norm()), reason)
 
 
+def fla_ieee_figure(options, config: AlignmentConfig) -> float | None:
+    """fla's fp32 chunk rule on CUDA with ``TRITON_F32_DEFAULT=ieee`` and an empty Triton cache, in a process of
+    its own: what is left with TF32 only where fla asks for it explicitly (benchmarks/fla_tf32.py predicts 1.1e-5
+    for the tiny configs; an H200 read 1.46e-3 with the variable set in a warm cache). A figure, not a check."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_triton_") as cache:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--fla-ieee", "--model", options.model,
+                               "--work", str(options.work)], capture_output=True, text=True,
+                              env={**os.environ, "TRITON_F32_DEFAULT": "ieee", "TRITON_CACHE_DIR": cache})
+    figures = [line.split()[-1] for line in done.stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    return float(figures[0]) if done.returncode == 0 and figures else None
+
+
 def environment_lines(config: AlignmentConfig, side: str) -> tuple[list[str], bool]:
     """The GPU environment check of this Python (``crossalign preflight gpu``): its lines, and whether nothing
     was refused."""
@@ -369,11 +383,16 @@ def run_no_te(options, config: AlignmentConfig, data: DatasetFiles, checkpoint: 
           "recurrence", flush=True)
     deterministic = config.training.deterministic or device == "cpu"  # on CPU it always runs Megatron's torch rule
     checks += [delta_rule_check(config, device, precision=p, deterministic=deterministic) for p in ("fp32", "bf16")]
+    added_ieee = fla_ieee_figure(options, config) if device == "cuda" else None
+    if device == "cuda":
+        print(f"  fla chunk rule in fp32 with TRITON_F32_DEFAULT=ieee, empty Triton cache: relative error "
+              f"{added_ieee if added_ieee is None else format(added_ieee, '.3e')} (a figure, not a check)", flush=True)
     added = {"device": device, "kernels": kernels, "implementation": trained["implementation"],
              "compare": {"verdict": summary["verdict"], "exit_status": summary["exit_status"],
                          "lm_mean_rel_err": lm.get("mean_rel_err"), "lm_max_rel_err": lm.get("max_rel_err"),
                          "reasons": summary.get("reasons", [])},
-             "median_iteration_ms": {device: device_ms, "cpu_fp32": cpu_ms}}
+             "median_iteration_ms": {device: device_ms, "cpu_fp32": cpu_ms},
+             "fla_fp32_ieee_rel_err": added_ieee}
     return checks, added
 
 
@@ -392,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                         help="override training.deterministic (Megatron's --deterministic-mode)")
     parser.add_argument("--train-embedded", metavar="DEVICE:PRECISION", help=argparse.SUPPRESS)
+    parser.add_argument("--fla-ieee", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dry-run", action="store_true", help="prepare the inputs and write Megatron's run "
                         "script, run nothing (no GPU needed)")
     options = parser.parse_args(argv)
@@ -408,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     config = check_config(options.model, options.iterations, options.deterministic)
     work.mkdir(parents=True, exist_ok=True)
+    if options.fla_ieee:  # fla_ieee_figure's process
+        check = delta_rule_check(config, "cuda", deterministic=False)
+        print(f"{RESULT_MARKER} {check.relative_error!r}", flush=True)
+        return 0
     if options.train_embedded:  # one training of --no-te, in its own process
         device, _, precision = options.train_embedded.partition(":")
         data, checkpoint = prepare_inputs(config, work)

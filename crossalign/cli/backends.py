@@ -180,7 +180,8 @@ def gpu(
     findings = check(env)
     console.print(f"[bold]preflight gpu ({side} side):[/] {escape(env.describe())}", highlight=False)
     for finding in findings:  # one paragraph each: the sources and fixes are sentences, too long for a table
-        console.print(f"{STATUS_MARK[finding.status]}  [bold]{escape(finding.name)}[/]: {escape(finding.detail)}", highlight=False)
+        console.print(f"{STATUS_MARK[finding.status]}  [bold]{escape(finding.name)}[/]: {escape(finding.detail)}",
+                      highlight=False)
         if finding.status in ("refused", "warning"):
             console.print(f"    fix: {escape(finding.fix)}", highlight=False)
         console.print(f"    [dim]source: {escape(finding.source)}[/]", highlight=False)

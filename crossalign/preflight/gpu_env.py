@@ -127,8 +127,9 @@ def _megatron_needs_fla(env: GpuEnvironment) -> tuple[Status, str]:
     if env.megatron_core is None:
         return "ok", "megatron-core is not installed here"
     if env.fla is None:
-        return "refused", (f"megatron-core {env.megatron_core} builds GatedDeltaNet only with fla (its l2norm runs even "
-                           "in deterministic mode); fla is not installed: \"FLA is not installed\" at model build.")
+        return "refused", (f"megatron-core {env.megatron_core} builds GatedDeltaNet only with fla (its l2norm runs "
+                           "even in deterministic mode); fla is not installed: \"FLA is not installed\" at model "
+                           "build.")
     if "fla" in env.import_errors:
         return "refused", (f"fla {env.fla} is installed but megatron-core's imports fail ({env.import_errors['fla']}): "
                            "megatron-core catches the ImportError and refuses GatedDeltaNet at model build.")
