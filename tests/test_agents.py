@@ -192,3 +192,18 @@ def test_embedded_gpu_pool_holds_the_gpu_environment_check():
     assert not [c for c in environment.values() if c.required and not c.ok]
     fla_range = environment["GPU environment: megatron-core 0.16 with fla outside ~=0.4.0"]
     assert fla_range.ok and fla_range.detail.startswith("warning: megatron-core 0.16.1")
+
+
+def test_a_combination_refused_only_without_deterministic_mode_is_reported_not_required():
+    """The agent cannot know the runs' training.deterministic: fla 0.6.0 with Triton 3.6.0 on an H200 refuses
+    only runs without it, and TransformerEngine missing on the real side refuses every run."""
+    from crossalign.agents.probe import environment_checks
+    from crossalign.preflight.gpu_env import GpuEnvironment
+
+    h200 = GpuEnvironment(torch="2.11.0+cu130", cuda="13.0", triton="3.6.0", fla="0.6.0", megatron_core="0.16.1",
+                          capability=(9, 0), device_name="NVIDIA H200", side="real")
+    checks = {c.name: c for c in environment_checks(h200)}
+    hopper = checks["GPU environment: fla GatedDeltaNet backward on Hopper with Triton [3.4.0, 3.7.1)"]
+    assert not hopper.ok and not hopper.required
+    assert hopper.detail.startswith("runs with training.deterministic: false are refused: fla 0.6.0 with Triton 3.6.0")
+    assert [c.name for c in missing(list(checks.values()))] == ["GPU environment: TransformerEngine with this torch"]

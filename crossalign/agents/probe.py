@@ -9,6 +9,7 @@ MindSpore or torch into the agent itself and checks the environment that matters
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -202,11 +203,17 @@ def gpu_environment_checks(python: str | None, side: gpu_env.Side) -> list[Check
     not know the runs' training.deterministic: a combination refused either way is a missing requirement; one
     refused only without it (the fla/Triton/Hopper trap) is reported, not required, naming the setting."""
     try:
-        either = {deterministic: gpu_env.check(gpu_env.read_environment(deterministic=deterministic, side=side,
-                                                                         python=python))
-                  for deterministic in (True, False)}
+        env = gpu_env.read_environment(deterministic=True, side=side, python=python)
     except gpu_env.GpuEnvironmentError as exc:
         return [Check("GPU environment", False, str(exc))]
+    return environment_checks(env)
+
+
+def environment_checks(env: gpu_env.GpuEnvironment) -> list[Check]:
+    """:func:`gpu_environment_checks` of an environment already read: the table with and without
+    training.deterministic."""
+    either = {deterministic: gpu_env.check(dataclasses.replace(env, deterministic=deterministic))
+              for deterministic in (True, False)}
     checks = []
     for always, without in zip(either[True], either[False]):
         if always.status == "refused":
