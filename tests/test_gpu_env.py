@@ -3,6 +3,7 @@ for given versions (no GPU needed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import sys
 
@@ -50,9 +51,15 @@ def test_the_table_against_the_installed_versions():
     assert _finding(findings, "megatron-core 0.16 with fla").status == ("ok" if in_range else "warning")
     # the embedded side never needs TransformerEngine; the real side refuses without it
     assert _finding(findings, "TransformerEngine").status == "ok"
-    real = check(gpu_env.read_environment(deterministic=True, side="real", python=sys.executable))
+    real = check(dataclasses.replace(env, side="real"))
     te_installed = env.transformer_engine is not None
     assert (_finding(real, "TransformerEngine").status == "refused") is not te_installed
+
+
+def test_another_interpreter_reads_the_same_environment():
+    """The probe reads the framework's Python in a process of its own (gpu_env_read.py run as a script)."""
+    here = gpu_env.read_environment(deterministic=True, side="real")
+    assert gpu_env.read_environment(deterministic=True, side="real", python=sys.executable) == here
 
 
 def test_undecided_without_a_device_when_triton_is_in_the_range():

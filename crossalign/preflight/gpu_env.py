@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Literal, Mapping
 
 from crossalign.preflight import gpu_env_read
@@ -230,7 +229,7 @@ def refusals(findings: list[Finding]) -> list[Finding]:
 
 def read_environment(*, deterministic: bool, side: Side = "embedded", python: str | None = None) -> GpuEnvironment:
     """This Python's environment, or (``python``) that interpreter's, read in a separate process."""
-    if python is None or Path(python).resolve() == Path(sys.executable).resolve():
+    if python is None:
         return GpuEnvironment.from_record(gpu_env_read.read_environment(), deterministic=deterministic, side=side)
     try:
         done = subprocess.run([python, gpu_env_read.__file__], capture_output=True, text=True,
