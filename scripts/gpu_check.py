@@ -67,6 +67,10 @@ KERNEL_TOLERANCES: dict[tuple[str, str], tuple[float, str]] = {
 }
 
 
+class GpuCheckError(RuntimeError):
+    """The check cannot go on: a refused GPU environment, a training process that failed (its output is above)."""
+
+
 @dataclass
 class Check:
     name: str
@@ -320,7 +324,7 @@ def train_embedded_process(options, device: str, precision: str) -> dict:
             print(line, flush=True)
     results = [json.loads(line[len(RESULT_MARKER):]) for line in lines if line.startswith(RESULT_MARKER)]
     if done.returncode != 0 or not results:
-        raise RuntimeError(f"the embedded training on {device} in {precision} failed (exit {done.returncode})")
+        raise GpuCheckError(f"the embedded training on {device} in {precision} failed (exit {done.returncode})")
     return results[0]
 
 
@@ -345,7 +349,7 @@ def compare_through_cli(device_log: Path, cpu_log: Path, out: Path, config: Alig
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "COLUMNS": "160"})
     print(done.stdout, end="", flush=True)
     if not (out / "summary.json").exists():
-        raise RuntimeError(f"crossalign compare wrote no summary (exit {done.returncode}): {done.stderr.strip()}")
+        raise GpuCheckError(f"crossalign compare wrote no summary (exit {done.returncode}): {done.stderr.strip()}")
     return {**json.loads((out / "summary.json").read_text()), "exit_status": done.returncode}
 
 
@@ -358,7 +362,7 @@ def run_no_te(options, config: AlignmentConfig, data: DatasetFiles, checkpoint: 
     lines, clear = environment_lines(config, "embedded")
     print("\n".join(lines), flush=True)
     if not clear:
-        raise RuntimeError("the GPU environment check refused this machine (above)")
+        raise GpuCheckError("the GPU environment check refused this machine (above)")
     print(f"[3/6] megatron-core (local modules, fla) on {device} in bf16: {n} iterations", flush=True)
     trained = train_embedded_process(options, device, "bf16")
     kernels = trained["details"].get("kernels", {})
@@ -394,6 +398,27 @@ def run_no_te(options, config: AlignmentConfig, data: DatasetFiles, checkpoint: 
              "median_iteration_ms": {device: device_ms, "cpu_fp32": cpu_ms},
              "fla_fp32_ieee_rel_err": added_ieee}
     return checks, added
+
+
+def run_checks(options, config: AlignmentConfig, data: DatasetFiles, checkpoint: Path,
+               megatron: Path | None) -> tuple[list[Check], dict]:
+    """Steps 2 on: --no-te's, or Megatron-LM's with TransformerEngine and the kernels on CUDA."""
+    if options.no_te:
+        return run_no_te(options, config, data, checkpoint)
+    checks: list[Check] = []
+    if not options.skip_megatron:
+        lines, clear = environment_lines(config, "real")
+        print("\n".join(lines), flush=True)
+        if not clear:
+            raise GpuCheckError("the GPU environment check refused this machine (above)")
+        print("[2/4] Megatron: two iterations through the real backend", flush=True)
+        log = train_megatron(config, data, checkpoint, options.work, megatron)  # type: ignore[arg-type]
+        print("[3/4] fp32 reference on CPU, step-1 losses", flush=True)
+        reference = reference_losses(config, checkpoint, data.prefix)
+        checks += step1_checks(reference, megatron_step1(log, config.training.megatron_core_version))
+    print("[4/4] the gated delta rule Megatron runs, on CUDA, against the CPU recurrence", flush=True)
+    checks += [delta_rule_check(config, "cuda", precision=p) for p in ("fp32", "bf16")]
+    return checks, {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,23 +473,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dry run: the delta-rule check would run {DELTA_RULE_PATHS[config.training.deterministic]} on "
               f"{options.device.upper() if options.device == 'cpu' else 'CUDA'}", flush=True)
         return 0
-    checks: list[Check] = []
-    added: dict = {}
-    if options.no_te:
-        checks, added = run_no_te(options, config, data, checkpoint)
-    else:
-        if not options.skip_megatron:
-            lines, clear = environment_lines(config, "real")
-            print("\n".join(lines), flush=True)
-            if not clear:
-                raise RuntimeError("the GPU environment check refused this machine (above)")
-            print("[2/4] Megatron: two iterations through the real backend", flush=True)
-            log = train_megatron(config, data, checkpoint, work, megatron)  # type: ignore[arg-type]
-            print("[3/4] fp32 reference on CPU, step-1 losses", flush=True)
-            reference = reference_losses(config, checkpoint, data.prefix)
-            checks += step1_checks(reference, megatron_step1(log, config.training.megatron_core_version))
-        print("[4/4] the gated delta rule Megatron runs, on CUDA, against the CPU recurrence", flush=True)
-        checks += [delta_rule_check(config, "cuda", precision=p) for p in ("fp32", "bf16")]
+    try:
+        checks, added = run_checks(options, config, data, checkpoint, megatron)
+    except GpuCheckError as exc:  # a refused environment, a failed embedded training: one line, no traceback
+        print(f"FAIL: {exc}", flush=True)
+        return 1
     for check in checks:
         print(check.line())
     ok = all(c.ok for c in checks) and added.get("compare", {}).get("verdict", "pass") == "pass"
