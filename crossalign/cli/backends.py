@@ -175,8 +175,10 @@ def gpu(
     with user_errors(ConfigError, GpuEnvironmentError, SiteError):
         cfg = load_config(model, overrides)
         interpreter = python or (load_site().megatron.python if side == "real" else None)
-        env = read_environment(deterministic=cfg.training.deterministic, side=side,  # type: ignore[arg-type]
-                               python=interpreter)
+        with console.status(f"importing torch, Triton, fla, megatron-core and TransformerEngine in "
+                            f"{interpreter or 'this Python'}"):
+            env = read_environment(deterministic=cfg.training.deterministic, side=side,  # type: ignore[arg-type]
+                                   python=interpreter)
     findings = check(env)
     console.print(f"[bold]preflight gpu ({side} side):[/] {escape(env.describe())}", highlight=False)
     for finding in findings:  # one paragraph each: the sources and fixes are sentences, too long for a table
