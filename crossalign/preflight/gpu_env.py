@@ -228,11 +228,14 @@ def refusals(findings: list[Finding]) -> list[Finding]:
 
 
 def read_environment(*, deterministic: bool, side: Side = "embedded", python: str | None = None) -> GpuEnvironment:
-    """This Python's environment, or (``python``) that interpreter's, read in a separate process."""
+    """This Python's environment, or (``python``) that interpreter's, read in a separate process. The embedded
+    side does not use TransformerEngine: it is not imported for it."""
+    imports = tuple(field for field in gpu_env_read.IMPORTS if side == "real" or field != "transformer_engine")
     if python is None:
-        return GpuEnvironment.from_record(gpu_env_read.read_environment(), deterministic=deterministic, side=side)
+        return GpuEnvironment.from_record(gpu_env_read.read_environment(imports), deterministic=deterministic,
+                                          side=side)
     try:
-        done = subprocess.run([python, gpu_env_read.__file__], capture_output=True, text=True,
+        done = subprocess.run([python, gpu_env_read.__file__, *imports], capture_output=True, text=True,
                               timeout=READ_TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise GpuEnvironmentError(f"reading the GPU environment with {python} failed: {exc}") from None

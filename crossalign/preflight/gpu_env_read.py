@@ -1,7 +1,8 @@
 """Read the GPU environment of this Python: the versions the known-bad table (``gpu_env``) is held against.
 
 Standard library only (torch and the kernels' packages are imported only to ask them), so that the gpu agent's
-probe can run this file with the framework's own interpreter: ``python gpu_env_read.py`` prints one JSON line.
+probe can run this file with the framework's own interpreter: ``python gpu_env_read.py [FIELD ...]`` prints one
+JSON line (FIELD: whose imports to try; default all).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def import_error(modules: tuple[str, ...]) -> str | None:
     return None
 
 
-def read_environment() -> dict:
-    """Versions, CUDA build, the GPU's compute capability (None without a CUDA device) and import failures."""
+def read_environment(imports: tuple[str, ...] = tuple(IMPORTS)) -> dict:
+    """Versions, CUDA build, the GPU's compute capability (None without a CUDA device) and the import failures
+    of the fields in ``imports``."""
     record: dict = {field: installed_version(field) for field in DISTRIBUTIONS}
     record.update(cuda=None, capability=None, device_name=None, import_errors={})
     if record["torch"] is not None:
@@ -62,7 +64,7 @@ def read_environment() -> dict:
             record["capability"] = list(torch.cuda.get_device_capability(0))
             record["device_name"] = torch.cuda.get_device_name(0)
     for field, modules in IMPORTS.items():
-        if record[field] is not None:
+        if field in imports and record[field] is not None:
             error = import_error(modules)
             if error:
                 record["import_errors"][field] = error
@@ -70,5 +72,5 @@ def read_environment() -> dict:
 
 
 if __name__ == "__main__":
-    print("@@gpu_env@@" + json.dumps(read_environment()))
+    print("@@gpu_env@@" + json.dumps(read_environment(tuple(sys.argv[1:]) or tuple(IMPORTS))))
     sys.exit(0)
