@@ -9,6 +9,7 @@ diagnose:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -44,3 +45,25 @@ class DumpSettings(BaseModel):
             "enable_dataloader": False,
             task: section,
         }
+
+
+DUMP_DIR = "msprobe_dump"  # in a training step's outputs: msprobe's step{N}/rank{R}/{dump,construct,stack}.json
+CONFIG_FILE = "msprobe_config.json"  # beside it: the config.json the training's PrecisionDebugger reads
+
+
+class DumpStepError(ValueError):
+    """A dump step the training never reaches."""
+
+
+def write_msprobe_config(settings: DumpSettings, output_dir: Path, iterations: int) -> Path:
+    """msprobe's ``config.json`` of a training step of ``iterations`` iterations, in ``output_dir`` (as
+    :data:`CONFIG_FILE`), dumping into ``output_dir``/:data:`DUMP_DIR` (absolute: the training runs in its own
+    working directory)."""
+    if settings.step >= iterations:
+        raise DumpStepError(f"diagnose.dump.step: {settings.step} is not reached by a training of {iterations} "
+                            f"iterations (msprobe counts them from 0: steps 0 to {iterations - 1})")
+    output_dir = Path(output_dir).absolute()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / CONFIG_FILE
+    path.write_text(json.dumps(settings.msprobe_config(output_dir / DUMP_DIR), indent=2) + "\n")
+    return path

@@ -45,6 +45,8 @@ from crossalign.sides.megatron.embedded.torch_trainer import (IterationStats, Me
                                                      _step_metrics, deterministic_training_threads, emit_setup_done,
                                                      megatron_log, megatron_lr)
 from crossalign.sides.megatron.args import sample_order
+from crossalign.sides.megatron.embedded.dump import IterationDump
+from crossalign.dump_settings import CONFIG_FILE, write_msprobe_config
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -289,9 +291,11 @@ def _train_rank(request: TrainRequest, state: Mapping[str, torch.Tensor], checkp
         emit(f"  successfully loaded checkpoint from {request.init_checkpoint} {_place(layout)} at iteration 0")
         emit_setup_done(emit, total * training.global_batch_size)
         lines = MegatronLogLines(total, training.global_batch_size, training.megatron_core_version)
+        dump = IterationDump(request.output_dir / CONFIG_FILE if request.dump is not None else None)
         ddp.train()
         for iteration in range(1, total + 1):
-            stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request, device)
+            with dump.iteration([ddp]):
+                stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request, device)
             if not prints:
                 continue
             emit(lines.line(iteration, stats))
@@ -364,6 +368,8 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
     if len(batches) < total:
         raise ValueError(f"{request.data.prefix}: {len(batches)} global batches for {total} iterations")
     request.output_dir.mkdir(parents=True, exist_ok=True)
+    if request.dump is not None:  # every rank's debugger reads it; msprobe writes msprobe_dump/step{N}/rank{R}/
+        write_msprobe_config(request.dump, request.output_dir, request.iterations)
     if request.config.parallel.megatron.world_size > 1:
         if request.init_checkpoint is None:
             raise ValueError("init_checkpoint: a sharded run verifies what each rank loaded against its file of the "

@@ -1,0 +1,50 @@
+"""Both embedded trainers dump through msprobe's own PrecisionDebugger when the run's dump setting is on: the
+MindSpore trainer in one process (``rank0``), megatron-core in its Megatron layout (one ``rank{R}`` per gloo
+rank). The dumps are msprobe's writer's, read back by crossalign's reader; the numbers are the runs' own."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from crossalign.diagnose.msprobe_dump import read_dump
+from crossalign.dump_settings import DumpSettings, DumpStepError, write_msprobe_config
+from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
+from tests.helpers.msprobe_dumps import embedded_dump_pair
+
+
+@pytest.mark.slow
+def test_a_moe_run_dumps_mindspore_at_tp1_and_megatron_core_at_tp2_ep2(tmp_path):
+    pair = embedded_dump_pair("qwen35_moe_tiny", tmp_path, task="statistics")
+    npu, gpu = read_dump(pair.npu), read_dump(pair.gpu)
+    assert (npu.framework, npu.step, sorted(npu.ranks)) == ("mindspore", 0, [0])
+    assert (gpu.framework, gpu.step, sorted(gpu.ranks)) == ("pytorch", 0, [0, 1])  # TP 2 x EP 2 on 2 ranks
+
+    # the embedding output of the batch, from the checkpoint itself: MindSpore's whole, Megatron's sequence shards
+    state = read_mindformers_checkpoint(tmp_path / "mindformers").model_state()
+    table = np.asarray(state["embedding.word_embeddings.weight"], dtype=np.float64)
+    tokens = np.load(tmp_path / "batches.npy")[0][:, :-1]
+    expected = table[tokens]
+    (ms_out,) = npu.ranks[0].entries["Cell.embedding.Embedding.forward.0"].outputs
+    assert ms_out.shape == (1, 16, 64)
+    assert ms_out.stats["Max"] == pytest.approx(expected.max(), rel=1e-6)
+    assert ms_out.stats["Norm"] == pytest.approx(np.linalg.norm(expected), rel=1e-5)
+    shards = [rank.entries["Module.0.module.embedding.LanguageModelEmbedding.forward.0"].outputs[0]
+              for rank in gpu.ranks.values()]
+    assert [shard.shape for shard in shards] == [(8, 1, 64), (8, 1, 64)]  # [s/TP, b, h] under sequence parallel
+    assert max(shard.stats["Max"] for shard in shards) == pytest.approx(expected.max(), rel=1e-6)
+    assert math.hypot(*(shard.stats["Norm"] for shard in shards)) == pytest.approx(np.linalg.norm(expected), rel=1e-5)
+
+    # forward and backward of the routed experts on every expert rank, and of the MindSpore cells
+    for rank in gpu.ranks.values():
+        experts = {entry.direction for entry in rank.entries.values() if entry.name.endswith("mlp.experts")}
+        assert experts == {"forward", "backward"}
+    assert {entry.direction for entry in npu.ranks[0].entries.values()} >= {"forward", "backward"}
+
+
+def test_a_dump_step_the_training_never_reaches_is_refused_before_it_starts(tmp_path):
+    with pytest.raises(DumpStepError, match=r"diagnose.dump.step: 3 .* 3 iterations"):
+        write_msprobe_config(DumpSettings(step=3), tmp_path, iterations=3)
+    assert not list(tmp_path.iterdir())
