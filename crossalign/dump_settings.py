@@ -67,3 +67,23 @@ def write_msprobe_config(settings: DumpSettings, output_dir: Path, iterations: i
     path = output_dir / CONFIG_FILE
     path.write_text(json.dumps(settings.msprobe_config(output_dir / DUMP_DIR), indent=2) + "\n")
     return path
+
+
+class DumpMissingError(ValueError):
+    """A training asked to dump that left no msprobe dump of its dump step."""
+
+
+def collected_dump(settings: DumpSettings, output_dir: Path) -> dict:
+    """What a training step's msprobe dump holds, for its manifest: the folder, the settings, and for the dump
+    step the rank folders msprobe wrote (``rank{R}``; ``proc{pid}`` without a process group) and their files.
+    Raises :class:`DumpMissingError` naming the folder when msprobe wrote nothing for that step."""
+    root = Path(output_dir) / DUMP_DIR
+    step_dir = root / f"step{settings.step}"
+    rank_dirs = sorted(p for p in step_dir.iterdir() if (p / "dump.json").is_file()) if step_dir.is_dir() else []
+    if not rank_dirs:
+        raise DumpMissingError(f"{step_dir}: the training was asked for an msprobe dump of step {settings.step} "
+                               "(diagnose.dump) and no rank folder with a dump.json is there")
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return {"folder": DUMP_DIR, "config": CONFIG_FILE, **settings.model_dump(mode="json"),
+            "rank_folders": [p.name for p in rank_dirs], "files": len(files),
+            "bytes": sum(p.stat().st_size for p in files)}

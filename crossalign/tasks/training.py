@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from crossalign.dag import StepSpec
+from crossalign.dump_settings import DumpSettings, collected_dump
 from crossalign.sides.protocol import StepCallback, TrainRequest
 from crossalign.site import SiteConfig
 from crossalign.stop import STOPPABLE, check_stop, keep_log, stopping
@@ -31,10 +32,11 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
         if stoppable:
             check_stop(run, spec.name)
             on_step = stopping(run, spec.name, on_step)
+        dump = dump_settings(run, spec.name, site) if stoppable else None
         request = TrainRequest(config=run.config, side=spec.side, mode="base" if base else "align", data=run.dataset,
                                output_dir=out.dir,
                                init_checkpoint=None if base else run.step_dir(spec.inputs[0]) / "checkpoint",
-                               save=base, on_step=on_step, published_dir=out.final_dir)
+                               save=base, on_step=on_step, published_dir=out.final_dir, dump=dump)
         try:
             result = backend.train(request)
         except BaseException:
@@ -48,4 +50,13 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
                            log=result.log_path.relative_to(out.dir).as_posix(),
                            checkpoint=None if result.checkpoint_dir is None
                            else result.checkpoint_dir.relative_to(out.dir).as_posix())
+        if dump is not None:
+            out.details["msprobe_dump"] = collected_dump(dump, out.dir)
     return run.manifest(spec.name)
+
+
+def dump_settings(run: Run, step: str, site: SiteConfig) -> DumpSettings | None:
+    """The msprobe dump an alignment training takes: what ``crossalign rerun --dump`` asked of this step, else
+    the site's ``diagnose.dump``, else none."""
+    asked = run.dump_request(step)
+    return DumpSettings.model_validate(asked) if asked is not None else site.diagnose.dump

@@ -43,6 +43,7 @@ from crossalign.sides.launch import (
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
+from crossalign.dump_settings import CONFIG_FILE, write_msprobe_config
 from crossalign.patching import PATCH_DIR, megatron_core_version
 from crossalign.versions import version_tuple
 from crossalign.sides.megatron.args import megatron_args
@@ -128,6 +129,17 @@ found = re.search(r'requires-python\\s*=\\s*"\\s*>=\\s*(\\d+)\\.(\\d+)', open("p
 if found and sys.version_info[:2] < (int(found[1]), int(found[2])):
     sys.exit(f"{sys.executable} is Python {sys.version.split()[0]}, but this Megatron-LM checkout requires "
              f"Python >={found[1]}.{found[2]} (requires-python in its pyproject.toml)")
+"""
+
+
+# Run by the framework's interpreter before a dump-enabled training: the launcher imports msprobe's PyTorch side.
+MSPROBE_CHECK = """
+import sys
+try:
+    import msprobe.pytorch
+except ImportError as exc:
+    sys.exit(f"{sys.executable} cannot import msprobe.pytorch ({exc}): a dump (diagnose.dump, rerun --dump) needs "
+             "mindstudio-probe installed in the framework's Python")
 """
 
 
@@ -244,6 +256,8 @@ class MegatronBackend(FrameworkBackend):
         # PYTHONPATH: the checkout's own megatron/core (with the Makefile and helpers.cpp the wheel lacks)
         env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "MEGATRON_LM_PATH": str(checkout),
                "CROSSALIGN_LOAD_DIGEST_DIR": str(request.output_dir.absolute() / LOAD_DIGEST_DIR), **site.env}
+        if request.dump is not None:  # the launcher runs each iteration under msprobe (dump_each_iteration)
+            env["CROSSALIGN_MSPROBE_CONFIG"] = str(request.output_dir.absolute() / CONFIG_FILE)
         layout = request.config.parallel.megatron
         if site.nproc_per_node < layout.cards_per_node:
             raise BackendSetupError(f"parallel.megatron.cards_per_node is {layout.cards_per_node}, but the site's "
@@ -253,6 +267,8 @@ class MegatronBackend(FrameworkBackend):
                    "--nproc_per_node", str(layout.cards_per_node), str(entry), *args]
         checks = [(site.python, "-c", REQUIRES_PYTHON_CHECK)] if site.ssh_host is not None else []
         checks.append((site.python, "-c", DATASET_HELPERS_CHECK))
+        if request.dump is not None:
+            checks.append((site.python, "-c", MSPROBE_CHECK))
         # the dataset helpers are built by whatever python3 is first on PATH: make it the framework's own
         python_dir = Path(site.python).parent if "/" in site.python else None
         return RunScript(command=command, cwd=checkout, env=env, required_files=("pretrain_gpt.py",), checks=checks,
@@ -279,6 +295,8 @@ class MegatronBackend(FrameworkBackend):
             data_cache_dir=request.output_dir.absolute() / DATA_CACHE_DIR)
         request.output_dir.mkdir(parents=True, exist_ok=True)
         (request.output_dir / ARGS_FILE).write_text("\n".join(args) + "\n")
+        if request.dump is not None:
+            write_msprobe_config(request.dump, request.output_dir, request.iterations)
         return write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, args))
 
     def train(self, request: TrainRequest) -> TrainResult:
