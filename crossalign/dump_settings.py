@@ -81,7 +81,8 @@ def collected_dump(settings: DumpSettings, output_dir: Path) -> dict:
     step_dir = root / f"step{settings.step}"
     rank_dirs = sorted(p for p in step_dir.iterdir() if (p / "dump.json").is_file()) if step_dir.is_dir() else []
     if not rank_dirs:
-        raise DumpMissingError(f"{step_dir}: the training was asked for an msprobe dump of step {settings.step} "
+        ranks = f" on ranks {list(settings.ranks)}" if settings.ranks else ""
+        raise DumpMissingError(f"{step_dir}: the training was asked for an msprobe dump of step {settings.step}{ranks} "
                                "(diagnose.dump) and no rank folder with a dump.json is there")
     files = [p for p in root.rglob("*") if p.is_file()]
     return {"folder": DUMP_DIR, "config": CONFIG_FILE, **settings.model_dump(mode="json"),

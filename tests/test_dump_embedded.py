@@ -48,3 +48,11 @@ def test_a_dump_step_the_training_never_reaches_is_refused_before_it_starts(tmp_
     with pytest.raises(DumpStepError, match=r"diagnose.dump.step: 3 .* 3 iterations"):
         write_msprobe_config(DumpSettings(step=3), tmp_path, iterations=3)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_training_that_left_no_dump_of_its_step_is_named(tmp_path):
+    from crossalign.dump_settings import DumpMissingError, collected_dump
+
+    (tmp_path / "msprobe_dump" / "step0" / "rank0").mkdir(parents=True)  # msprobe made the folder, wrote nothing
+    with pytest.raises(DumpMissingError, match=r"msprobe_dump/step0: .* dump of step 0 on ranks \[3\] .* no rank"):
+        collected_dump(DumpSettings(step=0, ranks=(3,)), tmp_path)

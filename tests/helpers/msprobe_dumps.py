@@ -36,7 +36,8 @@ from crossalign.config import AlignmentConfig, ModelConfig, load_config
 from crossalign.data.files import DatasetFiles
 from crossalign.dump_settings import DUMP_DIR, DumpSettings
 from crossalign.models.layout import random_mindformers_state
-from crossalign.sides.megatron.checkpoint import iteration_dir_name
+from crossalign.diagnose.ranks import read_as_megatron_loads
+from crossalign.sides.megatron.checkpoint import iteration_dir_name, write_megatron_checkpoint
 from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.sides.protocol import TrainRequest
 from crossalign.diagnose.references import Batch
@@ -114,7 +115,10 @@ def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics",
 
     ``megatron``: the Megatron layout (``parallel.megatron`` fields; default TP 2 x EP 2 for a MoE config, TP 2
     for a dense one); ``fault``: a conversion fault or a layout fault of ``crossalign/checkpoint/faults.py``,
-    injected into the Megatron side's checkpoint only."""
+    injected into the Megatron side's checkpoint only. megatron-core loads strictly: a fault that renames a
+    tensor (``a_log_not_renamed``, ``wrong_mtp_prefix``) stops its load, naming the tensor. Rank files that do
+    not fit together (``experts_not_renumbered``) are trained as Megatron's ranks hold them after their lenient
+    load (``crossalign/diagnose/ranks.py``), which needs expert_tensor equal to tensor."""
     out = Path(out)
     model = load_config(config_name).model
     layout = megatron if megatron is not None else (TP2_EP2 if model.is_moe else TP2)
@@ -131,6 +135,22 @@ def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics",
     if in_layout:
         inject_layout_fault(out / "converted" / iteration_dir_name(report.iteration), fault, config.model,
                             m.tensor, m.pipeline, m.expert)
+        # the embedded trainer cuts each rank's part from one whole state, which rank files that do not fit
+        # together (experts still under their global numbers) do not give: the whole state is the one Megatron's
+        # ranks end up holding after their own loads (keys a rank cannot place keep their initial values,
+        # crossalign/diagnose/ranks.py), written again in the layout so that each rank's load digest holds
+        loaded = read_as_megatron_loads(out / "converted", config.model, config.training.megatron_core_version)
+        if loaded.problems and m.expert_tensor_size != m.tensor:
+            # read_as_megatron_loads fits each rank's file to its part of the model with the experts split over
+            # the tensor ranks (expert_tensor = tensor): another expert_tensor would keep sound experts at their
+            # initial values too
+            raise ValueError(f"fault {fault}: rank files that do not fit together are read rank by rank only with "
+                             f"parallel.megatron.expert_tensor equal to tensor ({m.tensor}), not "
+                             f"{m.expert_tensor_size}: e.g. megatron={{'tensor': 1, 'expert': 2, "
+                             "'cards_per_node': 2}")
+        write_megatron_checkpoint(out / "as_loaded", report.iteration, loaded.state, model=config.model,
+                                  tp=m.tensor, pp=m.pipeline, ep=m.expert, etp=m.expert_tensor)
+        (out / "megatron_checkpoint.txt").write_text("as_loaded")
     tokens = np.random.default_rng(seed).integers(0, config.model.vocab_size,
                                                   (1, 1, config.training.seq_length + 1), dtype=np.int64)
     np.save(out / "batches.npy", tokens)
@@ -162,9 +182,11 @@ def _train_embedded(side: str, out: Path) -> None:
     from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
     from crossalign.sides.megatron.embedded.trainer import run_training
 
-    checkpoint = read_megatron_checkpoint(out / "converted", config.model)
+    chosen = out / "megatron_checkpoint.txt"
+    source = out / (chosen.read_text() if chosen.exists() else "converted")
+    checkpoint = read_megatron_checkpoint(source, config.model)
     run_training(TrainRequest(config=config, side="megatron", mode="align", data=data, output_dir=out / "megatron",
-                              init_checkpoint=out / "converted", dump=dump),
+                              init_checkpoint=source, dump=dump),
                  checkpoint.state, checkpoint.iteration, batches)
 
 

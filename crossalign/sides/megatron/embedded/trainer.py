@@ -65,11 +65,14 @@ def _forward_step(data_iterator, model):
     tokens = next(data_iterator)
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     loss_mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
-    # the call pretrain_gpt.py makes (core_v0.16.1 pretrain_gpt.py:197-199), packed_seq_params (None without
-    # packed sequences) included, so that an msprobe dump records the same inputs as a Megatron-LM run's
+    position_ids, causal = positions_and_mask(input_ids)
+    # the inputs of a Megatron-LM run, so that an msprobe dump records the same ones: the mask as its data loader
+    # hands it (one [1, s, s] per sample, core_v0.16.1 megatron/core/datasets/gpt_dataset.py:253-267, collated to
+    # [b, 1, s, s]) and the call pretrain_gpt.py makes (pretrain_gpt.py:197-199, packed_seq_params None without
+    # packed sequences)
+    causal = causal.expand(input_ids.shape[0], 1, -1, -1)
     with torch._C.DisableTorchFunction():  # the model needs no CudaLiteralsToCpu: spare it the per-op cost
-        output = model(input_ids, *positions_and_mask(input_ids), labels=labels, loss_mask=loss_mask,
-                       packed_seq_params=None)
+        output = model(input_ids, position_ids, causal, labels=labels, loss_mask=loss_mask, packed_seq_params=None)
     return output, partial(_loss_func, loss_mask)
 
 
