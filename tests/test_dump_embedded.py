@@ -12,7 +12,7 @@ import pytest
 from crossalign.diagnose.msprobe_dump import read_dump
 from crossalign.dump_settings import DumpSettings, DumpStepError, write_msprobe_config
 from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
-from tests.helpers.msprobe_dumps import embedded_dump_pair
+from tests.helpers.embedded_msprobe_dumps import embedded_dump_pair
 
 
 @pytest.mark.slow
