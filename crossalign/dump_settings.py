@@ -51,6 +51,14 @@ DUMP_DIR = "msprobe_dump"  # in a training step's outputs: msprobe's step{N}/ran
 CONFIG_FILE = "msprobe_config.json"  # beside it: the config.json the training's PrecisionDebugger reads
 
 
+def msprobe_import_check(module: str) -> str:
+    """Python that a run script runs with the framework's own interpreter before a dump-enabled training: it stops
+    the script, naming the interpreter, where msprobe's ``module`` (msprobe.pytorch, msprobe.mindspore) is missing."""
+    return (f"import sys\ntry:\n    import {module}\nexcept ImportError as exc:\n"
+            f"    sys.exit(f\"{{sys.executable}} cannot import {module} ({{exc}}): a dump (diagnose.dump, rerun --dump) "
+            f"needs mindstudio-probe installed in the framework's Python\")\n")
+
+
 class DumpStepError(ValueError):
     """A dump step the training never reaches."""
 

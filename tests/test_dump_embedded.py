@@ -56,3 +56,27 @@ def test_a_training_that_left_no_dump_of_its_step_is_named(tmp_path):
     (tmp_path / "msprobe_dump" / "step0" / "rank0").mkdir(parents=True)  # msprobe made the folder, wrote nothing
     with pytest.raises(DumpMissingError, match=r"msprobe_dump/step0: .* dump of step 0 on ranks \[3\] .* no rank"):
         collected_dump(DumpSettings(step=0, ranks=(3,)), tmp_path)
+
+
+def test_a_rerun_with_dump_records_which_trainings_dump_and_a_plain_rerun_clears_it(tmp_path):
+    """What ``crossalign rerun --dump`` (and the rerun deployment's ``dump``) leaves in run.json for the workers, and
+    what the training step then takes: the request, else the site's diagnose.dump."""
+    from crossalign.config import load_config
+    from crossalign.dag import downstream
+    from crossalign.site import SiteConfig
+    from crossalign.store import RunStore
+    from crossalign.tasks.training import dump_settings, request_dumps
+
+    run = RunStore(tmp_path).create_run("r1", load_config("qwen35_dense_tiny"), config_source="qwen35_dense_tiny",
+                                        parameters={}, code_version={"crossalign": "test"})
+    asked = DumpSettings(step=2, level="mix", task="tensor")
+    assert request_dumps(run, downstream("convert"), asked) == ["megatron-train"]  # pynative-train reads cast-bf16
+    assert dump_settings(run, "megatron-train", SiteConfig()) == asked
+    site = SiteConfig(diagnose={"dump": {"step": 1}})
+    assert dump_settings(run, "pynative-train", site) == DumpSettings(step=1)
+    assert dump_settings(run, "pynative-train", SiteConfig()) is None
+    with pytest.raises(ValueError, match="redoing compare trains neither"):
+        request_dumps(run, downstream("compare"), asked)
+    assert run.dump_request("megatron-train") == asked.model_dump(mode="json")  # a refused request changes nothing
+    assert request_dumps(run, downstream("megatron-train"), None) == []
+    assert dump_settings(run, "megatron-train", SiteConfig()) is None

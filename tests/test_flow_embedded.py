@@ -214,7 +214,7 @@ def test_rerun_with_dump_redoes_megatron_train_under_msprobe_and_lists_the_dump(
     before = run.manifest("pynative-train")
     log_before = (run.step_dir("megatron-train") / "train.log").read_text()
     not_training = _run(embedded, "rerun", "k1", "--step", "compare", "--dump", "--store", store, timeout=60)
-    assert not_training.returncode == 2 and "trains neither pynative-train nor megatron-train" in not_training.stderr
+    assert not_training.returncode == 2 and "trains neither megatron-train nor pynative-train" in not_training.stderr
     bad_task = _run(embedded, "rerun", "k1", "--step", "megatron-train", "--dump", "--dump-task", "tensors",
                     "--store", store, timeout=60)
     assert bad_task.returncode == 2 and "--dump-task: Input should be 'statistics', 'md5' or 'tensor'" in bad_task.stderr

@@ -74,12 +74,13 @@ def test_the_backend_asks_for_the_dump_only_when_the_step_dumps(tmp_path):
     MindFormersBackend(site=site_for(checkout)).train(request)
     script = (request.output_dir / "run_mindformers.sh").read_text()
     assert f"export CROSSALIGN_MSPROBE_CONFIG={request.output_dir.absolute() / CONFIG_FILE}" in script
+    assert "cannot import msprobe.mindspore" in script  # checked with the framework's Python before training
     config = json.loads((request.output_dir / CONFIG_FILE).read_text())
     assert (config["step"], config["level"], config["statistics"]["summary_mode"]) == ([1], "mix", "md5")
     assert config["dump_path"] == str(request.output_dir.absolute() / "msprobe_dump")
     plain = request_for(tmp_path / "plain", "align", [])
     MindFormersBackend(site=site_for(checkout)).train(plain)
-    assert "CROSSALIGN_MSPROBE_CONFIG" not in (plain.output_dir / "run_mindformers.sh").read_text()
+    assert "msprobe" not in (plain.output_dir / "run_mindformers.sh").read_text()
     assert not (plain.output_dir / CONFIG_FILE).exists()
 
 
@@ -110,3 +111,25 @@ def test_the_patched_trainer_dumps_the_configured_step_of_mindformers_own_module
             "Cell.linear_fc1.Linear.backward.0"} <= set(entries)
     weight = entries["Cell.linear_fc1.Linear.forward.0"].parameters["weight"]
     assert weight.stats["Norm"] == pytest.approx(json.loads(result.read_text())["fc1_norm"], rel=1e-5)
+
+
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+
+
+def _lacks_msprobe(python: Path) -> bool:
+    return python.exists() and subprocess.run([str(python), "-c", "import msprobe"], capture_output=True).returncode != 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not _lacks_msprobe(SYSTEM_PYTHON), reason=f"needs a Python without msprobe ({SYSTEM_PYTHON})")
+def test_a_framework_python_without_msprobe_stops_the_dump_before_training(tmp_path):
+    from crossalign.sides.launch import BackendRunError
+    from crossalign.site import MindFormersSite, SiteConfig
+
+    checkout = tmp_path / "mindformers-checkout"
+    shutil.copytree(FIXTURES / "mindformers_tree", checkout)
+    request = request_for(tmp_path, "align", [])
+    request.dump = DumpSettings()
+    site = SiteConfig(mindformers=MindFormersSite(path=checkout, python=str(SYSTEM_PYTHON), nproc_per_node=1))
+    with pytest.raises(BackendRunError, match=rf"{SYSTEM_PYTHON} cannot import msprobe.mindspore .*mindstudio-probe"):
+        MindFormersBackend(site=site).train(request)

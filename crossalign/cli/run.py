@@ -224,30 +224,24 @@ def rerun(
     from crossalign.site import SiteError
     from crossalign.store import RunStore, StoreError
 
+    from crossalign.tasks.training import dumping_steps, request_dumps
+
     with user_errors(ConfigError, SiteError, StoreError, UnknownStep, ValueError):
         affected = downstream(step)
         run = RunStore(store_root(store)).run(run_id)
-        dumped = [name for name in affected if name in DUMPED_STEPS]
         settings = rerun_dump_settings(dump, dump_step, dump_level, dump_task)
-        if settings is not None and not dumped:
-            raise ValueError(f"--dump: redoing {', '.join(affected)} trains neither {' nor '.join(DUMPED_STEPS)}, "
-                             "the steps that dump")
+        dumped = dumping_steps(affected, settings)
         if distributed is None:
             distributed = run.info["parameters"].get("mode") == "distributed"
         resolved = RunRequest(config=None, run_id=run_id, store=str(run.store.root), rerun=[affected[0]],
                               mode="distributed" if distributed else "embedded", retries=retries,
                               retry_delay_s=retry_delay).resolve()
-        run.request_dump(affected, None)  # a plain rerun takes only the site's diagnose.dump again
-        if settings is not None:
-            run.request_dump(dumped, settings.model_dump(mode="json"))
+        request_dumps(run, affected, settings)  # a plain rerun takes only the site's diagnose.dump again
     console.print(f"redoing {', '.join(affected)}", highlight=False)
     if settings is not None:
         console.print(f"{' and '.join(dumped)} will dump iteration {settings.step} with msprobe ({settings.level}, "
                       f"{settings.task}) into msprobe_dump/", highlight=False)
     raise typer.Exit(run_flow(resolved, verbose))
-
-
-DUMPED_STEPS = ("pynative-train", "megatron-train")  # the alignment trainings: what diagnose holds side by side
 
 
 def rerun_dump_settings(dump: bool, step: Optional[int], level: Optional[str], task: Optional[str]):

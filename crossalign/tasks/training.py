@@ -60,3 +60,25 @@ def dump_settings(run: Run, step: str, site: SiteConfig) -> DumpSettings | None:
     the site's ``diagnose.dump``, else none."""
     asked = run.dump_request(step)
     return DumpSettings.model_validate(asked) if asked is not None else site.diagnose.dump
+
+
+def dumping_steps(affected: list[str], settings: DumpSettings | None) -> list[str]:
+    """The alignment trainings among ``affected`` (the steps a rerun redoes) that take the dump ``settings``; a
+    dump asked of a rerun that redoes neither is refused (ValueError)."""
+    if settings is None:
+        return []
+    dumped = [name for name in affected if name in STOPPABLE]
+    if not dumped:
+        raise ValueError(f"--dump: redoing {', '.join(affected)} trains neither {' nor '.join(STOPPABLE)}, the "
+                         "steps that dump")
+    return dumped
+
+
+def request_dumps(run: Run, affected: list[str], settings: DumpSettings | None) -> list[str]:
+    """Record in run.json what a rerun of ``affected`` dumps: its alignment trainings take ``settings``, or (None)
+    only the site's diagnose.dump again. Returns the steps that dump."""
+    dumped = dumping_steps(affected, settings)
+    run.request_dump(affected, None)
+    if settings is not None:
+        run.request_dump(dumped, settings.model_dump(mode="json"))
+    return dumped

@@ -43,7 +43,7 @@ from crossalign.sides.launch import (
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
-from crossalign.dump_settings import CONFIG_FILE, write_msprobe_config
+from crossalign.dump_settings import CONFIG_FILE, msprobe_import_check, write_msprobe_config
 from crossalign.patching import PATCH_DIR, megatron_core_version
 from crossalign.versions import version_tuple
 from crossalign.sides.megatron.args import megatron_args
@@ -129,17 +129,6 @@ found = re.search(r'requires-python\\s*=\\s*"\\s*>=\\s*(\\d+)\\.(\\d+)', open("p
 if found and sys.version_info[:2] < (int(found[1]), int(found[2])):
     sys.exit(f"{sys.executable} is Python {sys.version.split()[0]}, but this Megatron-LM checkout requires "
              f"Python >={found[1]}.{found[2]} (requires-python in its pyproject.toml)")
-"""
-
-
-# Run by the framework's interpreter before a dump-enabled training: the launcher imports msprobe's PyTorch side.
-MSPROBE_CHECK = """
-import sys
-try:
-    import msprobe.pytorch
-except ImportError as exc:
-    sys.exit(f"{sys.executable} cannot import msprobe.pytorch ({exc}): a dump (diagnose.dump, rerun --dump) needs "
-             "mindstudio-probe installed in the framework's Python")
 """
 
 
@@ -268,7 +257,7 @@ class MegatronBackend(FrameworkBackend):
         checks = [(site.python, "-c", REQUIRES_PYTHON_CHECK)] if site.ssh_host is not None else []
         checks.append((site.python, "-c", DATASET_HELPERS_CHECK))
         if request.dump is not None:
-            checks.append((site.python, "-c", MSPROBE_CHECK))
+            checks.append((site.python, "-c", msprobe_import_check("msprobe.pytorch")))  # the launcher imports it
         # the dataset helpers are built by whatever python3 is first on PATH: make it the framework's own
         python_dir = Path(site.python).parent if "/" in site.python else None
         return RunScript(command=command, cwd=checkout, env=env, required_files=("pretrain_gpt.py",), checks=checks,

@@ -24,7 +24,7 @@ from crossalign.sides.mindformers.yaml import dump_yaml, mindformers_yaml
 from crossalign.sides.mindformers.log_checks import parse_step_line, verify_built_model, verify_mindformers_log, verify_transformer_config
 from crossalign.sides.mindformers.load_digest import LOAD_DIGEST_DIR, LOAD_DIGEST_ENV, verify_load_digest
 from crossalign.tensorio.errors import CheckpointError
-from crossalign.dump_settings import CONFIG_FILE, write_msprobe_config
+from crossalign.dump_settings import CONFIG_FILE, msprobe_import_check, write_msprobe_config
 
 
 RUN_SCRIPT = "run_mindformers.sh"
@@ -100,7 +100,10 @@ class MindFormersBackend(FrameworkBackend):
                        f"--local_worker_num={local}", f"--master_port={MSRUN_PORT}",
                        f"--log_dir={request.output_dir.absolute() / 'msrun_log'}", "--join=True",
                        f"--tail_worker_log={nproc - 1}", *entry]
+        # the mindformers-msprobe-dump patch imports msprobe's MindSpore side in the framework's own Python
+        checks = [(site.python, "-c", msprobe_import_check("msprobe.mindspore"))] if request.dump is not None else []
         return RunScript(command=command, cwd=request.output_dir.absolute(), env=env, required_files=(entry[0],),
+                         checks=checks,
                          staged_in=request.output_dir, published_as=request.published_dir,
                          title=f"MindFormers pynative: {request.config.model.name}, {request.mode} run, "
                                f"{request.iterations} steps on {nproc} card(s)")
