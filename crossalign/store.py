@@ -233,13 +233,15 @@ class Run:
     def request_dump(self, steps: list[str], settings: dict[str, Any] | None) -> None:
         """Make ``steps`` take an msprobe dump with ``settings`` (``DumpSettings`` as JSON) when they next run, or
         (None) no longer ask them to: recorded in run.json, which every pool's worker reads."""
-        requests = dict(self.info.get(DUMP_REQUESTS) or {})
+        before = dict(self.info.get(DUMP_REQUESTS) or {})
+        requests = dict(before)
         for step in steps:
             if settings is None:
                 requests.pop(step, None)
             else:
                 requests[step] = settings
-        self.update_info(**{DUMP_REQUESTS: requests})
+        if requests != before:
+            self.update_info(**{DUMP_REQUESTS: requests})
 
     def dump_request(self, step: str) -> dict[str, Any] | None:
         """The dump settings ``crossalign rerun --dump`` asked of ``step``, None if it asked none."""

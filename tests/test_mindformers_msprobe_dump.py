@@ -63,7 +63,8 @@ def test_the_patch_claims_the_releases_the_backend_supports():
     assert patch.needed_from == (2, 0, 0) and not patch.optional
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_the_backend_asks_for_the_dump_only_when_the_step_dumps(tmp_path):
     checkout = tmp_path / "mindformers-checkout"
     shutil.copytree(FIXTURES / "mindformers_tree", checkout)

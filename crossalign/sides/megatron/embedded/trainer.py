@@ -19,6 +19,9 @@ against the state it was given (:func:`verify_loaded`); in a sharded run each ra
 holds in the GPU launcher's digest file (:func:`write_shard_digest`) and the printing rank holds
 every record against that rank's own file of the sharded checkpoint (:func:`_verified_by_the_last_rank`).
 
+With a dump asked (``TrainRequest.dump``), every rank runs each iteration under msprobe's PrecisionDebugger as
+the GPU launcher does (``embedded/dump.py``): ``msprobe_dump/step{N}/rank{R}/`` in the step's folder.
+
 It all runs inside :func:`megatron_core_on_cpu` (the CPU workarounds), entered only here, in
 the step's training process.
 """

@@ -19,6 +19,9 @@ What it reproduces of MindFormers' pynative trainer (SPEC sections 6 and 7):
   pass), the optimizer file with ``adam_m.*``, ``adam_v.*`` and an int64 ``global_step`` (the lr comes
   from the schedule, so no ``learning_rate``), and common.json whose ``step_num`` is the run's total steps.
 
+With a dump asked (``TrainRequest.dump``), each step runs under msprobe's MindSpore PrecisionDebugger
+(:class:`IterationDump`), as the ``mindformers-msprobe-dump`` patch runs a real MindFormers step.
+
 The optimizer runs in numpy fp32: MindSpore's CPU AdamW (``mint.optim.AdamW``) has no kernel and
 ``nn.AdamWeightDecay`` has no bias correction, and per-parameter PyNative ops would cost more
 than the model itself.
