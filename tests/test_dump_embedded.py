@@ -80,3 +80,45 @@ def test_a_rerun_with_dump_records_which_trainings_dump_and_a_plain_rerun_clears
     assert run.dump_request("megatron-train") == asked.model_dump(mode="json")  # a refused request changes nothing
     assert request_dumps(run, downstream("megatron-train"), None) == []
     assert dump_settings(run, "megatron-train", SiteConfig()) is None
+
+
+MINDSPORE_MIX = """
+import sys
+from pathlib import Path
+import numpy as np
+from crossalign.config import load_config
+from crossalign.data.files import DatasetFiles
+from crossalign.dump_settings import DumpSettings
+from crossalign.models.layout import random_mindformers_state
+from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
+from crossalign.sides.mindformers.embedded.trainer import train_on_batches
+from crossalign.sides.protocol import TrainRequest
+out = Path(sys.argv[1])
+config = load_config("qwen35_dense_tiny", ["training.train_iters=1", "training.lr_warmup_iters=0",
+    "training.seq_length=8", "training.global_batch_size=1", "training.micro_batch_size=1"])
+write_mindformers_checkpoint(out / "ckpt", 1, random_mindformers_state(config.model, 1), None, default_common(1, 1))
+batches = list(np.random.default_rng(0).integers(0, config.model.vocab_size, (1, 1, 9), dtype=np.int64))
+train_on_batches(TrainRequest(config=config, side="mindformers", mode="align", data=DatasetFiles(out / "d", out / "t"),
+    output_dir=out / "run", init_checkpoint=out / "ckpt", dump=DumpSettings(level="mix", task="md5")), batches)
+"""
+
+
+@pytest.mark.slow
+def test_the_mindspore_trainer_dumps_at_level_mix_with_the_gated_delta_rule_run_op_by_op(tmp_path):
+    """msprobe's mix level wraps every MindSpore API, which the gated delta rule's ms.jit graph cannot parse
+    (``Unsupported statement 'Try'``): under a mix dump the rule runs op by op, and its APIs are dumped."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", MINDSPORE_MIX, str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    dump = read_dump(tmp_path / "run" / "msprobe_dump")
+    (rank,) = dump.ranks.values()
+    assert (rank.level, rank.mode) == ("mix", "md5")
+    assert any(entry.is_module for entry in rank.entries.values())
+    assert any(not entry.is_module and "matmul" in entry.name.lower() for entry in rank.entries.values())

@@ -341,6 +341,8 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
     request.output_dir.mkdir(parents=True, exist_ok=True)
     dump = IterationDump(None if request.dump is None else write_msprobe_config(request.dump, request.output_dir,
                                                                                   total))
+    if request.dump is not None and request.dump.level == "mix":  # msprobe wraps every API: no ms.jit graph
+        trainer.net.eager_rule()
     log_dir = request.named_output_dir / "log"  # MindFormers names its log folder in every line
     with open(request.log_path, "w") as log:
         for step in range(1, total + 1):
