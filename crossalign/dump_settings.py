@@ -9,6 +9,7 @@ diagnose:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -44,3 +45,54 @@ class DumpSettings(BaseModel):
             "enable_dataloader": False,
             task: section,
         }
+
+
+DUMP_DIR = "msprobe_dump"  # in a training step's outputs: msprobe's step{N}/rank{R}/{dump,construct,stack}.json
+CONFIG_FILE = "msprobe_config.json"  # beside it: the config.json the training's PrecisionDebugger reads
+
+
+def msprobe_import_check(module: str) -> str:
+    """Python that a run script runs with the framework's own interpreter before a dump-enabled training: it stops
+    the script, naming the interpreter, where msprobe's ``module`` (msprobe.pytorch, msprobe.mindspore) is missing."""
+    return (f"import sys\ntry:\n    import {module}\nexcept ImportError as exc:\n"
+            f"    sys.exit(f\"{{sys.executable}} cannot import {module} ({{exc}}): a dump (diagnose.dump, rerun --dump) "
+            f"needs mindstudio-probe installed in the framework's Python\")\n")
+
+
+class DumpStepError(ValueError):
+    """A dump step the training never reaches."""
+
+
+def write_msprobe_config(settings: DumpSettings, output_dir: Path, iterations: int) -> Path:
+    """msprobe's ``config.json`` of a training step of ``iterations`` iterations, in ``output_dir`` (as
+    :data:`CONFIG_FILE`), dumping into ``output_dir``/:data:`DUMP_DIR` (absolute: the training runs in its own
+    working directory)."""
+    if settings.step >= iterations:
+        raise DumpStepError(f"diagnose.dump.step: {settings.step} is not reached by a training of {iterations} "
+                            f"iterations (msprobe counts them from 0: steps 0 to {iterations - 1})")
+    output_dir = Path(output_dir).absolute()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / CONFIG_FILE
+    path.write_text(json.dumps(settings.msprobe_config(output_dir / DUMP_DIR), indent=2) + "\n")
+    return path
+
+
+class DumpMissingError(ValueError):
+    """A training asked to dump that left no msprobe dump of its dump step."""
+
+
+def collected_dump(settings: DumpSettings, output_dir: Path) -> dict:
+    """What a training step's msprobe dump holds, for its manifest: the folder, the settings, and for the dump
+    step the rank folders msprobe wrote (``rank{R}``; ``proc{pid}`` without a process group) and their files.
+    Raises :class:`DumpMissingError` naming the folder when msprobe wrote nothing for that step."""
+    root = Path(output_dir) / DUMP_DIR
+    step_dir = root / f"step{settings.step}"
+    rank_dirs = sorted(p for p in step_dir.iterdir() if (p / "dump.json").is_file()) if step_dir.is_dir() else []
+    if not rank_dirs:
+        ranks = f" on ranks {list(settings.ranks)}" if settings.ranks else ""
+        raise DumpMissingError(f"{step_dir}: the training was asked for an msprobe dump of step {settings.step}{ranks} "
+                               "(diagnose.dump) and no rank folder with a dump.json is there")
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return {"folder": DUMP_DIR, "config": CONFIG_FILE, **settings.model_dump(mode="json"),
+            "rank_folders": [p.name for p in rank_dirs], "files": len(files),
+            "bytes": sum(p.stat().st_size for p in files)}

@@ -38,6 +38,8 @@ from crossalign.config import AlignmentConfig
 from crossalign.dag import STEP_NAMES, StepSpec, downstream, step_for, step_spec
 from crossalign.data.files import DatasetFiles
 
+DUMP_REQUESTS = "dump_requests"  # run.json: {step: msprobe dump settings} asked by crossalign rerun --dump
+
 MANIFEST = "manifest.json"
 RUN_INFO = "run.json"
 ATTEMPTS = ".attempts"
@@ -225,6 +227,25 @@ class Run:
         info = self.info
         info.update(fields)
         write_json_atomic(self.path / RUN_INFO, info)
+
+    # -- msprobe dump requests (crossalign rerun --dump) -------------------------------------
+
+    def request_dump(self, steps: list[str], settings: dict[str, Any] | None) -> None:
+        """Make ``steps`` take an msprobe dump with ``settings`` (``DumpSettings`` as JSON) when they next run, or
+        (None) no longer ask them to: recorded in run.json, which every pool's worker reads."""
+        before = dict(self.info.get(DUMP_REQUESTS) or {})
+        requests = dict(before)
+        for step in steps:
+            if settings is None:
+                requests.pop(step, None)
+            else:
+                requests[step] = settings
+        if requests != before:
+            self.update_info(**{DUMP_REQUESTS: requests})
+
+    def dump_request(self, step: str) -> dict[str, Any] | None:
+        """The dump settings ``crossalign rerun --dump`` asked of ``step``, None if it asked none."""
+        return (self.info.get(DUMP_REQUESTS) or {}).get(step)
 
     # -- steps -----------------------------------------------------------------------------
 

@@ -327,3 +327,27 @@ def test_dataset_helpers_that_do_not_build_are_named_before_a_run(tmp_path: Path
                                        "\t$(CXX) -shared -fPIC $(CPPFLAGS) $< -o $@\n")
     problem = dataset_helpers_problem(checkout, sys.executable)
     assert problem is not None and "dataset helpers do not build for" in problem and "helpers.cpp" in problem
+
+
+@pytest.mark.timeout(120)
+def test_a_dump_writes_msprobes_config_and_the_launcher_is_told_where_it_is(tmp_path: Path, checkout: Path):
+    """With a dump asked (diagnose.dump, rerun --dump) the step writes msprobe's config.json and exports its path for
+    the launcher (patches/megatron/pretrain_qwen35.py dump_each_iteration); without one, neither."""
+    from crossalign.dump_settings import CONFIG_FILE, DumpSettings
+
+    request = request_for(tmp_path, [])
+    request.dump = DumpSettings(step=2, task="tensor", ranks=(0,))
+    script = MegatronBackend(site=site_for(checkout)).write_launch(request).read_text()
+    config_path = request.output_dir.absolute() / CONFIG_FILE
+    assert f"export CROSSALIGN_MSPROBE_CONFIG={config_path}" in script
+    assert "cannot import msprobe.pytorch" in script  # checked with the framework's Python before training
+    config = json.loads(config_path.read_text())
+    assert (config["task"], config["step"], config["rank"]) == ("tensor", [2], [0])
+    assert config["dump_path"] == str(request.output_dir.absolute() / "msprobe_dump")
+    (tmp_path / "plain").mkdir()
+    plain = request_for(tmp_path / "plain", [])
+    assert "CROSSALIGN_MSPROBE_CONFIG" not in MegatronBackend(site=site_for(checkout)).write_launch(plain).read_text()
+    assert not (plain.output_dir / CONFIG_FILE).exists()
+    with pytest.raises(ValueError, match=r"diagnose.dump.step: 4 is not reached by a training of 4 iterations"):
+        request.dump = DumpSettings(step=4)
+        MegatronBackend(site=site_for(checkout)).write_launch(request)

@@ -200,3 +200,42 @@ def test_the_flow_takes_the_request_its_caller_resolved(prefect_client_settings,
     assert isinstance(error, StoreError) and "dataset file" in str(error), error
     run = RunStore(tmp_path / "store").run("handed")
     assert run.info["config"] == resolved.config.model_dump(mode="json") and run.config.training.train_iters == 30
+
+
+def test_rerun_with_dump_redoes_megatron_train_under_msprobe_and_lists_the_dump(embedded):
+    """``crossalign rerun k1 --step megatron-train --dump``: megatron-core trains again under msprobe's
+    PrecisionDebugger, the step's outputs and manifest hold the dump, the numbers (and the verdict) are unchanged."""
+    from crossalign.diagnose.msprobe_dump import read_dump
+
+    run = RunStore(embedded["store"]).run("k1")
+    if not run.is_done("compare"):
+        pytest.skip("needs the finished run of the first test")
+    store = str(run.store.root)
+    before = run.manifest("pynative-train")
+    log_before = (run.step_dir("megatron-train") / "train.log").read_text()
+    not_training = _run(embedded, "rerun", "k1", "--step", "compare", "--dump", "--store", store, timeout=60)
+    assert not_training.returncode == 2 and "trains neither megatron-train nor pynative-train" in not_training.stderr
+    bad_task = _run(embedded, "rerun", "k1", "--step", "megatron-train", "--dump", "--dump-task", "tensors",
+                    "--store", store, timeout=60)
+    assert bad_task.returncode == 2 and "--dump-task: Input should be 'statistics', 'md5' or 'tensor'" in bad_task.stderr
+    assert run.dump_request("megatron-train") is None  # refused: nothing recorded
+
+    done = _run(embedded, "rerun", "k1", "--step", "megatron-train", "--dump", "--dump-step", "1", "--store", store,
+                "--retry-delay", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "megatron-train will dump iteration 1 with msprobe (L0, statistics)" in done.stdout
+    details = run.manifest("megatron-train")["details"]["msprobe_dump"]
+    assert details["folder"] == "msprobe_dump" and details["step"] == 1 and details["rank_folders"] == ["rank0"]
+    outputs = {entry["path"] for entry in run.manifest("megatron-train")["outputs"]}
+    assert {"msprobe_config.json", "msprobe_dump/step1/rank0/dump.json"} <= outputs
+    dump = read_dump(run.step_dir("megatron-train") / "msprobe_dump")
+    assert (dump.framework, dump.step, sorted(dump.ranks)) == ("pytorch", 1, [0])
+    assert any(key.startswith("Module.0.module.decoder.layers.0.") for key in dump.ranks[0].entries)
+    assert run.manifest("pynative-train") == before  # only the step asked for dumped, and only it was redone
+
+    def losses(text: str) -> list[float]:
+        return [float(part.split(" | ")[0]) for part in text.split("lm loss: ")[1:]]
+    # msprobe only reads the tensors: the same losses to Megatron's print precision (one unit of %E at ~7)
+    again, before_losses = losses((run.step_dir("megatron-train") / "train.log").read_text()), losses(log_before)
+    assert len(again) == len(before_losses) == 20
+    assert max(abs(a - b) for a, b in zip(again, before_losses)) <= 1.5e-6

@@ -145,6 +145,7 @@ def test_run_forms_explain_every_parameter_as_written_and_take_what_a_user_types
         assert schema["properties"][name]["anyOf"][0] == {"items": {"type": "string"}, "type": "array"}, name
     rerun = parameter_schema(import_object("crossalign.flows.alignment:rerun").fn).model_dump()
     assert rerun["required"] == ["run_id", "step"]
+    assert rerun["properties"]["dump"]["default"] is False  # the form's checkbox for rerun --dump
     assert rerun["properties"]["step"]["enum"] == list(STEP_NAMES)
     step = parameter_schema(import_object("crossalign.flows.steps:step_flow").fn).model_dump()
     assert step["required"] == ["step", "run_id"] and step["properties"]["step"]["enum"] == list(STEP_NAMES)

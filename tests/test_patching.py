@@ -54,7 +54,7 @@ def load_module(path: Path, name: str):
 def test_shipped_patches_parse_with_their_version_ranges():
     names = {p.name for p in load_patches()}
     assert names == {"megatron-mtp-gdn", "megatron-weights-only", "mindformers-qwen35-loss-logging",
-                     "mindformers-load-digest"}
+                     "mindformers-load-digest", "mindformers-msprobe-dump"}
     mtp = load_patch("megatron-mtp-gdn")
     assert (mtp.needed_from, mtp.needed_before) == ((0, 16, 0), (0, 19, 0))
     assert mtp.needed_for((0, 16, 1)) and mtp.needed_for((0, 18, 2))
@@ -197,7 +197,7 @@ def test_cli_check_and_apply(megatron_tree: Path, mindformers_tree: Path):
     result = runner.invoke(app, ["patch", "check", "--megatron", str(megatron_tree), "--mindformers", str(mindformers_tree),
                                  *classes], env={"COLUMNS": "250"})
     assert result.exit_code == 0, result.output
-    assert result.output.count("applicable") == 4
+    assert result.output.count("applicable") == 5
     result = runner.invoke(app, ["patch", "check", "--mindformers", str(mindformers_tree)], env={"COLUMNS": "250"})
     assert result.exit_code == 2 and "mindformers.qwen35_class" in result.output
     result = runner.invoke(app, ["patch", "apply", "--megatron", str(megatron_tree), "--mindformers", str(mindformers_tree),

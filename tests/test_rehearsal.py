@@ -85,8 +85,10 @@ def store(tmp_path_factory) -> RunStore:
     return RunStore(tmp_path_factory.mktemp("store"))
 
 
-def embedded_run(store: RunStore, config: str, run_id: str, overrides: tuple[str, ...] = ()):
-    """A run whose steps 1-4 ran embedded: its converted checkpoint, dataset and megatron-core losses."""
+def embedded_run(store: RunStore, config: str, run_id: str, overrides: tuple[str, ...] = (),
+                 site: Path | None = None):
+    """A run whose steps 1-4 ran embedded: its converted checkpoint, dataset and megatron-core losses
+    (``site``: the site config the steps run with)."""
     from crossalign.request import RunRequest
     from crossalign.tasks.prepare import prepare_run
 
@@ -94,7 +96,8 @@ def embedded_run(store: RunStore, config: str, run_id: str, overrides: tuple[str
         "training.train_iters=5", "training.lr_warmup_iters=2", "training.base_train_iters=3", *overrides]).resolve())
     for step in STEPS:
         subprocess.run([sys.executable, "-m", "crossalign.tasks", "--store", str(store.root), "--run", run_id,
-                        "--step", step, "--embedded"], check=True, capture_output=True, timeout=900)
+                        "--step", step, "--embedded", *(["--site", str(site)] if site else [])],
+                       check=True, capture_output=True, timeout=900)
     return run
 
 
@@ -205,3 +208,39 @@ def test_a_bf16_run_rehearsed_with_its_bf16_trains_in_bf16_on_the_cpu(store: Run
     # defaults they drifted by 1e-4 from iteration 3 on)
     assert max(max_abs_diff(result.losses, embedded).values()) <= PRINT_PRECISION
     assert "(bf16 both)" in result.embedded_comparison(embedded, run.config.training.embedded_precision)
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_dump_enabled_launch_runs_through_rehearse_and_msprobe_compares_it_with_the_embedded_dump(
+        store: RunStore, tmp_path: Path):
+    """``crossalign rehearse --dump``: Megatron-LM's pretrain() with the launcher's PrecisionDebugger writes the dump
+    step, and msprobe's own compare reads it beside the embedded megatron-core step's dump (the site's
+    diagnose.dump) and passes every tensor: the same modules under the same names, the same numbers."""
+    import csv
+
+    site = tmp_path / "site.yaml"
+    site.write_text("diagnose:\n  dump: {step: 1, level: L0, task: statistics}\n")
+    run = embedded_run(store, "qwen35_dense_tiny", "dense-dump", ("training.train_iters=2", "training.lr_warmup_iters=1"),
+                       site=site)
+    embedded = run.manifest("megatron-train")["details"]["msprobe_dump"]
+    assert (embedded["step"], embedded["rank_folders"]) == (1, ["rank0"])
+    crossalign = str(Path(sys.executable).with_name("crossalign"))
+    done = subprocess.run([crossalign, "rehearse", run.run_id, "--store", str(store.root), "--megatron", CHECKOUT,
+                           "--out", str(tmp_path / "rehearsal"), "--dump"], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "CROSSALIGN_SITE": str(site)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    dump = tmp_path / "rehearsal" / "gpu" / "msprobe_dump"
+    assert f"gpu: msprobe dumped iteration 1 (L0, statistics): rank0 in {dump} (3 files)" in done.stdout
+    compared = subprocess.run([str(Path(sys.executable).with_name("msprobe")), "compare", "-tp", str(dump / "step1"),
+                               "-gp", str(run.step_dir("megatron-train") / "msprobe_dump" / "step1"),
+                               "-o", str(tmp_path / "compare")], capture_output=True, text=True, timeout=300)
+    assert compared.returncode == 0, compared.stdout[-3000:] + compared.stderr[-3000:]
+    (table,) = (tmp_path / "compare").glob("compare_result_*.csv")
+    rows = list(csv.DictReader(table.open()))
+    names = {row["NPU Name"] for row in rows}
+    assert "Module.0.module.decoder.layers.0.self_attention.in_proj.ColumnParallelLinear.forward.0.output.0" in names
+    assert any(".backward.0." in name for name in names)
+    assert {row["Bench Name"] for row in rows} == names  # every module of the rehearsal found in the embedded dump
+    assert {row["Result"] for row in rows} == {"pass"}, [row["NPU Name"] for row in rows if row["Result"] != "pass"]

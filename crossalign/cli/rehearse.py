@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from crossalign.cli.common import console, err_console
+from crossalign.cli.run import rerun_dump_settings
 
 
 def register(app: typer.Typer) -> None:
@@ -35,6 +36,11 @@ def rehearse(
     out: Optional[Path] = typer.Option(None, help="where the rehearsal writes (default: ./rehearsal-RUN)"),
     bf16: bool = typer.Option(False, help="keep the generated --bf16 (default: fp32, the embedded run's "
                                           "precision, so the losses can be held against it)"),
+    dump: bool = typer.Option(False, "--dump", help="rehearse the dump-enabled launch: msprobe dumps an iteration "
+                              "(the site's diagnose.dump, changed by --dump-*) into OUT/gpu/msprobe_dump"),
+    dump_step: Optional[int] = typer.Option(None, help="with --dump: the iteration to dump, from 0"),
+    dump_level: Optional[str] = typer.Option(None, help="with --dump: L0 (modules) or mix (modules and APIs)"),
+    dump_task: Optional[str] = typer.Option(None, help="with --dump: statistics, md5 or tensor"),
 ) -> None:
     """Run the gpu step's real launch (generated arguments, launcher, Megatron's pretrain()) on CPU, and read the
     npu step's YAML with MindFormers' own loader; report what ran and what was stood in for.
@@ -51,7 +57,11 @@ def rehearse(
     root = Path(store) if store is not None else site.store
     try:
         run = RunStore(root).run(run_id)
-    except StoreError as exc:
+        settings = rerun_dump_settings(dump, dump_step, dump_level, dump_task)
+        if settings is not None and settings.step >= run.config.training.train_iters:
+            raise ValueError(f"--dump-step {settings.step}: the run trains {run.config.training.train_iters} "
+                             f"iterations (msprobe counts them from 0)")
+    except (StoreError, ValueError) as exc:
         err_console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None
     megatron_path = _framework(megatron, "MEGATRON_LM_PATH", site.megatron.path)
@@ -63,7 +73,7 @@ def rehearse(
     folder = (out or Path(f"rehearsal-{run_id}")).absolute()
     failed = False
     if megatron_path is not None:
-        failed |= not _gpu(run, megatron_path, folder / "gpu", checkpoint, fp32=not bf16)
+        failed |= not _gpu(run, megatron_path, folder / "gpu", checkpoint, fp32=not bf16, dump=settings)
     else:
         console.print("gpu: not rehearsed (no Megatron-LM checkout given)")
     if mindformers_path is not None:
@@ -74,7 +84,8 @@ def rehearse(
     raise typer.Exit(1 if failed else 0)
 
 
-def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32: bool) -> bool:
+def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32: bool, dump=None) -> bool:
+    from crossalign.dump_settings import DumpMissingError
     from crossalign.sides.launch import BackendRunError, BackendSetupError
     from crossalign.tensorio.errors import CheckpointError
     from crossalign.sides.megatron.rehearsal import rehearse_gpu
@@ -83,8 +94,8 @@ def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32:
     console.print(f"gpu: rehearsing {run.run_id}'s megatron-train launch with {checkout} in {folder} ...")
     try:
         result = rehearse_gpu(run.config, run.dataset, checkpoint or run.step_dir("convert") / "checkpoint", checkout,
-                              folder, fp32=fp32)
-    except (BackendRunError, BackendSetupError, CheckpointError, MegatronCpuError) as exc:
+                              folder, fp32=fp32, dump=dump)
+    except (BackendRunError, BackendSetupError, CheckpointError, MegatronCpuError, DumpMissingError) as exc:
         err_console.print(f"[bold red]gpu rehearsal failed:[/] {exc}", highlight=False, soft_wrap=True)
         err_console.print(f"  log: {folder / 'train.log'}")
         return False
@@ -92,6 +103,10 @@ def _gpu(run, checkout: Path, folder: Path, checkpoint: Optional[Path], *, fp32:
                   f"patches/megatron/pretrain_qwen35.py -> pretrain_gpt.py -> pretrain(), gloo, on CPU; "
                   f"{len(result.losses)} iterations; load digest verified for {result.digest_tensors} tensors")
     console.print(f"gpu: {result.precision_statement}", highlight=False)
+    if result.dump is not None:
+        console.print(f"gpu: msprobe dumped iteration {result.dump['step']} ({result.dump['level']}, "
+                      f"{result.dump['task']}): {', '.join(result.dump['rank_folders'])} in "
+                      f"{folder / result.dump['folder']} ({result.dump['files']} files)", highlight=False)
     if result.core_differences:
         console.print(f"[yellow]gpu: the checkout's megatron/core differs from the installed megatron-core in "
                       f"{len(result.core_differences)} files[/] (e.g. {', '.join(result.core_differences[:5])}): the "

@@ -207,21 +207,59 @@ def rerun(
     retries: int = typer.Option(2, help="attempts after an infrastructure failure"),
     retry_delay: float = typer.Option(10.0, help="seconds before the first retry"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's own log lines"),
+    dump: bool = typer.Option(False, "--dump", help="the redone alignment trainings (megatron-train, "
+                              "pynative-train) take msprobe dumps: the site's diagnose.dump, changed by --dump-*"),
+    dump_step: Optional[int] = typer.Option(None, help="with --dump: the iteration to dump, from 0"),
+    dump_level: Optional[str] = typer.Option(None, help="with --dump: L0 (modules) or mix (modules and APIs)"),
+    dump_task: Optional[str] = typer.Option(None, help="with --dump: statistics, md5 or tensor"),
 ) -> None:
-    """Invalidate STEP and everything downstream of it, then run the flow again (finished upstream steps are skipped)."""
+    """Invalidate STEP and everything downstream of it, then run the flow again (finished upstream steps are skipped).
+
+    With --dump, the alignment trainings it redoes dump their tensors with msprobe (step{N}/rank{R}/ in each
+    step's msprobe_dump/) for ``crossalign diagnose``; without it, they take only the site's diagnose.dump.
+    """
     from crossalign.config import ConfigError  # imported when run: keeps crossalign --help fast
     from crossalign.dag import UnknownStep, downstream
     from crossalign.request import RunRequest
     from crossalign.site import SiteError
     from crossalign.store import RunStore, StoreError
 
-    with user_errors(ConfigError, SiteError, StoreError, UnknownStep):
+    from crossalign.tasks.training import dumping_steps, request_dumps
+
+    with user_errors(ConfigError, SiteError, StoreError, UnknownStep, ValueError):
         affected = downstream(step)
         run = RunStore(store_root(store)).run(run_id)
+        settings = rerun_dump_settings(dump, dump_step, dump_level, dump_task)
+        dumped = dumping_steps(affected, settings)
         if distributed is None:
             distributed = run.info["parameters"].get("mode") == "distributed"
         resolved = RunRequest(config=None, run_id=run_id, store=str(run.store.root), rerun=[affected[0]],
                               mode="distributed" if distributed else "embedded", retries=retries,
                               retry_delay_s=retry_delay).resolve()
+        request_dumps(run, affected, settings)  # a plain rerun takes only the site's diagnose.dump again
     console.print(f"redoing {', '.join(affected)}", highlight=False)
+    if settings is not None:
+        console.print(f"{' and '.join(dumped)} will dump iteration {settings.step} with msprobe ({settings.level}, "
+                      f"{settings.task}) into msprobe_dump/", highlight=False)
     raise typer.Exit(run_flow(resolved, verbose))
+
+
+def rerun_dump_settings(dump: bool, step: Optional[int], level: Optional[str], task: Optional[str]):
+    """The dump ``rerun --dump`` asks for: the site's diagnose.dump (default settings without one), with the
+    --dump-* options; None without --dump (a --dump-* option alone is refused)."""
+    from pydantic import ValidationError  # imported when run: keeps crossalign --help fast
+
+    from crossalign.dump_settings import DumpSettings
+    from crossalign.site import load_site
+
+    changes = {key: value for key, value in (("step", step), ("level", level), ("task", task)) if value is not None}
+    if not dump:
+        if changes:
+            raise ValueError(f"--dump-{next(iter(changes))} is given without --dump")
+        return None
+    base = load_site().diagnose.dump or DumpSettings()
+    try:
+        return DumpSettings.model_validate({**base.model_dump(), **changes})
+    except ValidationError as exc:
+        problems = "; ".join(f"--dump-{error['loc'][0]}: {error['msg']}" for error in exc.errors())
+        raise ValueError(problems) from None

@@ -29,7 +29,8 @@ from prefect.settings import get_current_settings
 from prefect.states import Completed, State
 
 from crossalign.config import ConfigError, load_config
-from crossalign.dag import STEPS, StepName
+from crossalign.dag import STEPS, StepName, downstream
+from crossalign.dump_settings import DumpSettings
 from crossalign.flows.events import StepEvent, emit
 from crossalign.flows.launch import execute_deployment, execute_subprocess, step_timeout
 from crossalign.flows.live import stop_error, stopped_outcome, watch_training
@@ -47,6 +48,7 @@ from crossalign.stop import clear_live
 from crossalign.store import RunStore, StoreError, new_run_id
 from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed
 from crossalign.tasks.prepare import prepare_run
+from crossalign.tasks.training import request_dumps
 
 PREFLIGHT_BATCHES = 3  # global batches whose token digests must agree between the two sides
 
@@ -213,7 +215,7 @@ def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = Non
 
 @flow(name="rerun", flow_run_name="{run_id}-rerun-{step}")
 def rerun(run_id: str, step: StepName, store: str | None = None, retries: int = 2, retry_delay_s: float = 10.0,
-          step_timeout_s: float | None = None, poll_interval_s: float = 0.5) -> State:
+          step_timeout_s: float | None = None, poll_interval_s: float = 0.5, dump: bool = False) -> State:
     """Redo one step of a run and everything downstream of it; finished upstream steps are skipped.
 
     The steps run the way the run was started (distributed or embedded), with its config.
@@ -228,13 +230,19 @@ def rerun(run_id: str, step: StepName, store: str | None = None, retries: int = 
             Empty: the site config's step_timeout_s, else an hour plus iteration_timeout_s
             for each iteration the step trains.
         poll_interval_s: Seconds between looks at a step's flow run.
+        dump: The redone alignment trainings (megatron-train, pynative-train) take msprobe dumps with the site's
+            diagnose.dump (default settings without one) into each step's msprobe_dump folder.
     """
-    options = dict(locals())  # the form's fields are the request's own, but for step
-    del options["step"]
-    root = RunStore(store or load_site().store)
-    mode = root.run(run_id).info["parameters"].get("mode", "distributed")
-    request = RunRequest(**{**options, "config": None, "store": str(root.root), "rerun": [step], "mode": mode})
-    return align(request.resolve())
+    options = dict(locals())  # the form's fields are the request's own, but for step and dump
+    del options["step"], options["dump"]
+    site = load_site()
+    root = RunStore(store or site.store)
+    run = root.run(run_id)
+    mode = run.info["parameters"].get("mode", "distributed")
+    resolved = RunRequest(**{**options, "config": None, "store": str(root.root), "rerun": [step],
+                             "mode": mode}).resolve()
+    request_dumps(run, downstream(step), (site.diagnose.dump or DumpSettings()) if dump else None)
+    return align(resolved)
 
 
 def align(resolved: ResolvedRequest) -> State:

@@ -22,7 +22,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
-from crossalign.models.ms_gdn import compiled_chunk_gated_delta_rule
+from crossalign.models.ms_gdn import chunk_gated_delta_rule, compiled_chunk_gated_delta_rule
 from crossalign.tensorio.mismatch import key_mismatches
 from crossalign.config import ModelConfig
 
@@ -177,6 +177,7 @@ class GatedDeltaNet(nn.Cell):
         self.value_dim = model.linear_value_head_dim
         self.kernel = model.linear_conv_kernel_dim
         self.channels = model.conv_channels
+        self.compiled_rule = True  # the gated delta rule as one ms.jit graph (False: op by op, see eager_rule)
         hidden = model.hidden_size
         if self.fused:
             self.in_proj = Linear(model.in_proj_rows, hidden)
@@ -229,9 +230,9 @@ class GatedDeltaNet(nn.Cell):
             k = ops.repeat_interleave(k, repeat, axis=2)
         g = -mint.exp(self.a_log) * ops.softplus(a + self.dt_bias)  # [B, T, nv]
         beta = mint.sigmoid(b)
-        out = compiled_chunk_gated_delta_rule(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2),
-                                              g.swapaxes(1, 2), beta.swapaxes(1, 2),
-                                              scale=1.0 / math.sqrt(self.key_dim))
+        rule = compiled_chunk_gated_delta_rule if self.compiled_rule else chunk_gated_delta_rule
+        out = rule(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), g.swapaxes(1, 2), beta.swapaxes(1, 2),
+                   scale=1.0 / math.sqrt(self.key_dim))
         out = self.out_norm(out.swapaxes(1, 2))  # [B, T, nv, dv], one weight shared across heads
         out = out * ops.silu(z.reshape(batch, length, self.value_heads, self.value_dim))
         return self.linear_proj(out.reshape(batch, length, self.value_heads * self.value_dim))
@@ -450,6 +451,14 @@ class Qwen35Model(nn.Cell):
             bias = np.triu(np.full((length, length), -1e30, np.float32), 1)
             self._causal_bias[length] = Tensor(bias)
         return self._causal_bias[length]
+
+    def eager_rule(self) -> None:
+        """Run every GatedDeltaNet's gated delta rule op by op (PyNative) instead of as its compiled graph: the same
+        computation, for a tool that wraps each MindSpore API, which a graph compiled by ms.jit cannot parse
+        (msprobe's dump at level mix: ``Unsupported statement 'Try'`` in its API wrapper)."""
+        for _, cell in self.cells_and_names():
+            if isinstance(cell, GatedDeltaNet):
+                cell.compiled_rule = False
 
     def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor):
         length = input_ids.shape[1]

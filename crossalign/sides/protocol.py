@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Protocol
 from crossalign.config import AlignmentConfig, TrainingConfig
 from crossalign.data.files import DatasetFiles
 from crossalign.data.settings import SampleOrderSettings
+from crossalign.dump_settings import DumpSettings
 from crossalign.sides.readings import Reading
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class TrainRequest:
     on_step: StepCallback | None = None
     extra: dict[str, object] = field(default_factory=dict)
     published_dir: Path | None = None  # where output_dir ends up once the step commits (paths in logs name it)
+    dump: DumpSettings | None = None  # msprobe dumps this iteration into output_dir/msprobe_dump (DUMP_DIR)
 
     @property
     def iterations(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from crossalign.dag import StepSpec
+from crossalign.dump_settings import DumpSettings, collected_dump
 from crossalign.preflight import gpu_env
 from crossalign.sides.protocol import StepCallback, TrainRequest
 from crossalign.site import SiteConfig
@@ -42,10 +43,11 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
         if stoppable:
             check_stop(run, spec.name)
             on_step = stopping(run, spec.name, on_step)
+        dump = dump_settings(run, spec.name, site) if stoppable else None
         request = TrainRequest(config=run.config, side=spec.side, mode="base" if base else "align", data=run.dataset,
                                output_dir=out.dir,
                                init_checkpoint=None if base else run.step_dir(spec.inputs[0]) / "checkpoint",
-                               save=base, on_step=on_step, published_dir=out.final_dir)
+                               save=base, on_step=on_step, published_dir=out.final_dir, dump=dump)
         environment = checked_gpu_environment(backend, run.config)
         try:
             result = backend.train(request)
@@ -62,4 +64,35 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
                            else result.checkpoint_dir.relative_to(out.dir).as_posix())
         if environment:  # what the GPU environment check found short of a refusal
             out.details["gpu_environment"] = [f.line() for f in environment if f.status != "ok"]
+        if dump is not None:
+            out.details["msprobe_dump"] = collected_dump(dump, out.dir)
     return run.manifest(spec.name)
+
+
+def dump_settings(run: Run, step: str, site: SiteConfig) -> DumpSettings | None:
+    """The msprobe dump an alignment training takes: what ``crossalign rerun --dump`` asked of this step, else
+    the site's ``diagnose.dump``, else none."""
+    asked = run.dump_request(step)
+    return DumpSettings.model_validate(asked) if asked is not None else site.diagnose.dump
+
+
+def dumping_steps(affected: list[str], settings: DumpSettings | None) -> list[str]:
+    """The alignment trainings among ``affected`` (the steps a rerun redoes) that take the dump ``settings``; a
+    dump asked of a rerun that redoes neither is refused (ValueError)."""
+    if settings is None:
+        return []
+    dumped = [name for name in affected if name in STOPPABLE]
+    if not dumped:
+        raise ValueError(f"--dump: redoing {', '.join(affected)} trains neither {' nor '.join(STOPPABLE)}, the "
+                         "steps that dump")
+    return dumped
+
+
+def request_dumps(run: Run, affected: list[str], settings: DumpSettings | None) -> list[str]:
+    """Record in run.json what a rerun of ``affected`` dumps: its alignment trainings take ``settings``, or (None)
+    only the site's diagnose.dump again. Returns the steps that dump."""
+    dumped = dumping_steps(affected, settings)
+    run.request_dump(affected, None)
+    if settings is not None:
+        run.request_dump(dumped, settings.model_dump(mode="json"))
+    return dumped

@@ -34,14 +34,17 @@ people who run pretrain_gpt.py by hand, takes the last layer of the local pipeli
 file of the checkout is edited; everything else (argument parsing, data, training loop,
 logging, checkpointing) is Megatron's own pretrain(). With ``CROSSALIGN_LOAD_DIGEST_DIR`` set,
 the launcher also writes a digest of every tensor the model holds right after pretrain() loads
-the checkpoint (:func:`write_load_digest`), which the step compares with the checkpoint it gave.
+the checkpoint (:func:`write_load_digest`), which the step compares with the checkpoint it gave. With
+``CROSSALIGN_MSPROBE_CONFIG`` set (msprobe's config.json, written by the step when a dump is asked), every
+iteration runs under msprobe's ``PrecisionDebugger`` (:func:`dump_each_iteration`), which needs mindstudio-probe
+in the framework's Python.
 
 Usage:
     torchrun --nproc_per_node N /path/to/pretrain_qwen35.py <pretrain_gpt.py arguments>
 
 The Megatron-LM checkout is found through MEGATRON_LM_PATH, else the current directory, else
 wherever ``gpt_builders`` is importable (PYTHONPATH). Needs only megatron-core (0.16.0 ..
-0.19.x) and the framework's own Python: it imports nothing from crossalign.
+0.19.x) and the framework's own Python (and mindstudio-probe for a dump): it imports nothing from crossalign.
 """
 
 from __future__ import annotations
@@ -284,6 +287,44 @@ def digest_after_load(training_module, folder: str) -> None:
     training_module.load_checkpoint = load_checkpoint
 
 
+# ---- the msprobe dump ------------------------------------------------------------------------------
+
+DUMP_ENV = "CROSSALIGN_MSPROBE_CONFIG"
+
+
+def dump_each_iteration(training_module, config_path: str) -> None:
+    """Make pretrain()'s training loop run each iteration under msprobe's ``PrecisionDebugger`` (mindstudio-probe).
+
+    msprobe's way for a training loop: ``debugger.start(model)`` before the iteration, ``debugger.stop()`` and
+    ``debugger.step()`` after it, the debugger made once from the ``config.json`` the step wrote
+    (``crossalign/dump_settings.py``: task, level, the step and the ranks to dump). Megatron's ``train()`` runs
+    each iteration as one call of the module-level ``train_step(forward_step_func, data_iterator, model, ...)``
+    (core_v0.16.1 megatron/training/training.py:1603, called at 2795), ``model`` being the list of model
+    chunks: wrapped here, so msprobe hooks the chunks Megatron trains (module names ``Module.<chunk>.module...``)
+    and counts the iterations itself. The debugger is made at the first iteration, after pretrain() initialised
+    torch.distributed, so that each rank writes ``step{N}/rank{R}/``.
+    """
+    from msprobe.pytorch import PrecisionDebugger
+
+    original = training_module.train_step
+    made = []
+
+    def train_step(forward_step_func, data_iterator, model, *args, **kwargs):
+        if not made:
+            made.append(PrecisionDebugger(config_path=config_path))
+        debugger = made[0]
+        debugger.start(model=model)
+        try:
+            result = original(forward_step_func, data_iterator, model, *args, **kwargs)
+        finally:
+            debugger.stop()
+        debugger.step()
+        return result
+
+    train_step.__wrapped__ = original
+    training_module.train_step = train_step
+
+
 def find_checkout() -> str | None:
     """The Megatron-LM checkout: MEGATRON_LM_PATH, else the current directory, else where gpt_builders imports from."""
     for candidate in (os.environ.get("MEGATRON_LM_PATH"), os.getcwd()):
@@ -312,6 +353,10 @@ def main() -> None:
         from megatron.training import training
 
         digest_after_load(training, os.environ[DIGEST_ENV])
+    if os.environ.get(DUMP_ENV):
+        from megatron.training import training
+
+        dump_each_iteration(training, os.environ[DUMP_ENV])
     sys.argv = [entry] + sys.argv[1:]
     runpy.run_path(entry, run_name="__main__")
 

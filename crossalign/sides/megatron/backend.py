@@ -43,6 +43,7 @@ from crossalign.sides.launch import (
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
+from crossalign.dump_settings import CONFIG_FILE, msprobe_import_check, write_msprobe_config
 from crossalign.patching import PATCH_DIR, megatron_core_version
 from crossalign.versions import version_tuple
 from crossalign.sides.megatron.args import megatron_args
@@ -244,6 +245,8 @@ class MegatronBackend(FrameworkBackend):
         # PYTHONPATH: the checkout's own megatron/core (with the Makefile and helpers.cpp the wheel lacks)
         env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "MEGATRON_LM_PATH": str(checkout),
                "CROSSALIGN_LOAD_DIGEST_DIR": str(request.output_dir.absolute() / LOAD_DIGEST_DIR), **site.env}
+        if request.dump is not None:  # the launcher runs each iteration under msprobe (dump_each_iteration)
+            env["CROSSALIGN_MSPROBE_CONFIG"] = str(request.output_dir.absolute() / CONFIG_FILE)
         layout = request.config.parallel.megatron
         if site.nproc_per_node < layout.cards_per_node:
             raise BackendSetupError(f"parallel.megatron.cards_per_node is {layout.cards_per_node}, but the site's "
@@ -253,6 +256,8 @@ class MegatronBackend(FrameworkBackend):
                    "--nproc_per_node", str(layout.cards_per_node), str(entry), *args]
         checks = [(site.python, "-c", REQUIRES_PYTHON_CHECK)] if site.ssh_host is not None else []
         checks.append((site.python, "-c", DATASET_HELPERS_CHECK))
+        if request.dump is not None:
+            checks.append((site.python, "-c", msprobe_import_check("msprobe.pytorch")))  # the launcher imports it
         # the dataset helpers are built by whatever python3 is first on PATH: make it the framework's own
         python_dir = Path(site.python).parent if "/" in site.python else None
         return RunScript(command=command, cwd=checkout, env=env, required_files=("pretrain_gpt.py",), checks=checks,
@@ -279,6 +284,8 @@ class MegatronBackend(FrameworkBackend):
             data_cache_dir=request.output_dir.absolute() / DATA_CACHE_DIR)
         request.output_dir.mkdir(parents=True, exist_ok=True)
         (request.output_dir / ARGS_FILE).write_text("\n".join(args) + "\n")
+        if request.dump is not None:
+            write_msprobe_config(request.dump, request.output_dir, request.iterations)
         return write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, args))
 
     def train(self, request: TrainRequest) -> TrainResult:

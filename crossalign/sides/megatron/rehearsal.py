@@ -35,6 +35,7 @@ from crossalign.sides.megatron import rehearsal_cpu as megatron_cpu
 from crossalign.site import FrameworkSite, SiteConfig
 from crossalign.config import AlignmentConfig
 from crossalign.data.files import DatasetFiles
+from crossalign.dump_settings import DUMP_DIR, DumpSettings, collected_dump
 from crossalign.models.layout import split_stacked_experts
 from crossalign.patching import megatron_core_version
 from crossalign.sides.megatron.te_local import te_to_local
@@ -58,6 +59,7 @@ class GpuRehearsal:
     core_differences: list[str] = field(default_factory=list)  # .py files unlike the installed megatron-core's
     precision: str = "fp32"            # what Megatron trained in here: "bf16" (--bf16 kept) or "fp32"
     generated_precision: str = "fp32"  # what the step's generated launch trains in ("bf16": it passes --bf16)
+    dump: dict | None = None  # what msprobe dumped (crossalign.dump_settings.collected_dump), with a dump asked
 
     @property
     def precision_statement(self) -> str:
@@ -128,11 +130,13 @@ def _replace_value(args: list[str], flag: str, value: str) -> list[str]:
 
 
 def rehearse_gpu(config: AlignmentConfig, data: DatasetFiles, init_checkpoint: Path, checkout: Path, folder: Path, *,
-                 fp32: bool = True, on_line=lambda line: None) -> GpuRehearsal:
+                 fp32: bool = True, on_line=lambda line: None, dump: DumpSettings | None = None) -> GpuRehearsal:
     """Rehearse the megatron-train step of a run of ``config`` on ``data`` from ``init_checkpoint`` (the run's
-    converted checkpoint) in ``folder`` with the Megatron-LM ``checkout``; raises on failure."""
+    converted checkpoint) in ``folder`` with the Megatron-LM ``checkout``; raises on failure. With ``dump``, the
+    launch is the dump-enabled one (msprobe's config.json, the launcher's PrecisionDebugger) and the rehearsal
+    fails unless msprobe wrote the dump step (``folder``/msprobe_dump/step{N}/rank{R}/)."""
     folder = folder.absolute()
-    for previous in (LOCAL_CHECKPOINT, LOAD_DIGEST_DIR, DATA_CACHE_DIR):  # a rehearsal starts from nothing
+    for previous in (LOCAL_CHECKPOINT, LOAD_DIGEST_DIR, DATA_CACHE_DIR, DUMP_DIR):  # a rehearsal starts from nothing
         shutil.rmtree(folder / previous, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     init = Path(init_checkpoint).absolute()
@@ -140,7 +144,7 @@ def rehearse_gpu(config: AlignmentConfig, data: DatasetFiles, init_checkpoint: P
                       megatron=FrameworkSite(path=checkout, python=sys.executable, nproc_per_node=1))
     backend = MegatronBackend(site)
     request = TrainRequest(config=config, side="megatron", mode="align", data=data, output_dir=folder,
-                           init_checkpoint=init, save=False)
+                           init_checkpoint=init, save=False, dump=dump)
     backend.write_launch(request)  # run_megatron.sh and megatron_args.txt, as the step writes them
     generated = (folder / ARGS_FILE).read_text().split()
     real = backend.run_script(request, generated)
@@ -159,12 +163,13 @@ def rehearse_gpu(config: AlignmentConfig, data: DatasetFiles, init_checkpoint: P
     status = run_script_locally(folder / SCRIPT, log, on_line)
     verify_megatron_log(log, iterations=request.iterations, loaded=True, exit_status=status)
     tensors = verify_load_digest(folder / LOAD_DIGEST_DIR, init, config)
+    dumped = collected_dump(dump, folder) if dump is not None else None
     return GpuRehearsal(folder=folder, log=log, checkout=checkout,
                         megatron_core=".".join(map(str, megatron_core_version(checkout) or ())),
                         argument_changes=changes, workarounds=megatron_cpu.workarounds(bf16=precision == "bf16"),
                         losses=logged_losses(log), digest_tensors=tensors,
                         core_differences=core_differences(checkout), precision=precision,
-                        generated_precision=generated_precision)
+                        generated_precision=generated_precision, dump=dumped)
 
 
 

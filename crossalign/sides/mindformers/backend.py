@@ -24,11 +24,13 @@ from crossalign.sides.mindformers.yaml import dump_yaml, mindformers_yaml
 from crossalign.sides.mindformers.log_checks import parse_step_line, verify_built_model, verify_mindformers_log, verify_transformer_config
 from crossalign.sides.mindformers.load_digest import LOAD_DIGEST_DIR, LOAD_DIGEST_ENV, verify_load_digest
 from crossalign.tensorio.errors import CheckpointError
+from crossalign.dump_settings import CONFIG_FILE, msprobe_import_check, write_msprobe_config
 
 
 RUN_SCRIPT = "run_mindformers.sh"
 DETERMINISTIC_ENV = {"HCCL_DETERMINISTIC": "true", "ASCEND_LAUNCH_BLOCKING": "1"}
 MSRUN_PORT = 8118
+MSPROBE_ENV = "CROSSALIGN_MSPROBE_CONFIG"  # read by patches/mindformers/msprobe_dump.yaml
 
 # ---- what MindFormers built from the YAML ------------------------------------------------------
 
@@ -88,6 +90,8 @@ class MindFormersBackend(FrameworkBackend):
         env = {**DETERMINISTIC_ENV, "PYTHONPATH": str(checkout), "LOG_MF_PATH": str(log_root), **site.env}
         if request.mode == "align":  # the run that loads: the patched trainer records what it loaded
             env[LOAD_DIGEST_ENV] = str(request.output_dir.absolute() / LOAD_DIGEST_DIR)
+        if request.dump is not None:  # the mindformers-msprobe-dump patch runs each step under msprobe
+            env[MSPROBE_ENV] = str(request.output_dir.absolute() / CONFIG_FILE)
         entry = [str(checkout / "run_mindformer.py"), "--mode", "1", "--config", str(config_path.absolute())]
         if nproc == 1:
             command = [site.python, *entry]
@@ -96,7 +100,10 @@ class MindFormersBackend(FrameworkBackend):
                        f"--local_worker_num={local}", f"--master_port={MSRUN_PORT}",
                        f"--log_dir={request.output_dir.absolute() / 'msrun_log'}", "--join=True",
                        f"--tail_worker_log={nproc - 1}", *entry]
+        # the mindformers-msprobe-dump patch imports msprobe's MindSpore side in the framework's own Python
+        checks = [(site.python, "-c", msprobe_import_check("msprobe.mindspore"))] if request.dump is not None else []
         return RunScript(command=command, cwd=request.output_dir.absolute(), env=env, required_files=(entry[0],),
+                         checks=checks,
                          staged_in=request.output_dir, published_as=request.published_dir,
                          title=f"MindFormers pynative: {request.config.model.name}, {request.mode} run, "
                                f"{request.iterations} steps on {nproc} card(s)")
@@ -116,6 +123,8 @@ class MindFormersBackend(FrameworkBackend):
             model_overrides=request.extra.get("mindformers_model"))  # type: ignore[arg-type]
         request.output_dir.mkdir(parents=True, exist_ok=True)
         config_path = dump_yaml(data, request.output_dir / f"{request.mode}_train.yaml")
+        if request.dump is not None:
+            write_msprobe_config(request.dump, request.output_dir, request.iterations)
         script = write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, config_path))
 
         steps = request.iterations

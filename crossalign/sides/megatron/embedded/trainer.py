@@ -19,6 +19,9 @@ against the state it was given (:func:`verify_loaded`); in a sharded run each ra
 holds in the GPU launcher's digest file (:func:`write_shard_digest`) and the printing rank holds
 every record against that rank's own file of the sharded checkpoint (:func:`_verified_by_the_last_rank`).
 
+With a dump asked (``TrainRequest.dump``), every rank runs each iteration under msprobe's PrecisionDebugger as
+the GPU launcher does (``embedded/dump.py``): ``msprobe_dump/step{N}/rank{R}/`` in the step's folder.
+
 It all runs inside :func:`megatron_core_on_cpu` (the CPU workarounds), entered only here, in
 the step's training process.
 """
@@ -45,6 +48,8 @@ from crossalign.sides.megatron.embedded.torch_trainer import (IterationStats, Me
                                                      _step_metrics, deterministic_training_threads, emit_setup_done,
                                                      megatron_log, megatron_lr)
 from crossalign.sides.megatron.args import sample_order
+from crossalign.sides.megatron.embedded.dump import IterationDump
+from crossalign.dump_settings import CONFIG_FILE, write_msprobe_config
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -63,8 +68,14 @@ def _forward_step(data_iterator, model):
     tokens = next(data_iterator)
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     loss_mask = torch.ones(labels.shape, dtype=torch.float32, device=labels.device)
+    position_ids, causal = positions_and_mask(input_ids)
+    # the inputs of a Megatron-LM run, so that an msprobe dump records the same ones: the mask as its data loader
+    # hands it (one [1, s, s] per sample, core_v0.16.1 megatron/core/datasets/gpt_dataset.py:253-267, collated to
+    # [b, 1, s, s]) and the call pretrain_gpt.py makes (pretrain_gpt.py:197-199, packed_seq_params None without
+    # packed sequences)
+    causal = causal.expand(input_ids.shape[0], 1, -1, -1)
     with torch._C.DisableTorchFunction():  # the model needs no CudaLiteralsToCpu: spare it the per-op cost
-        output = model(input_ids, *positions_and_mask(input_ids), labels=labels, loss_mask=loss_mask)
+        output = model(input_ids, position_ids, causal, labels=labels, loss_mask=loss_mask, packed_seq_params=None)
     return output, partial(_loss_func, loss_mask)
 
 
@@ -289,9 +300,11 @@ def _train_rank(request: TrainRequest, state: Mapping[str, torch.Tensor], checkp
         emit(f"  successfully loaded checkpoint from {request.init_checkpoint} {_place(layout)} at iteration 0")
         emit_setup_done(emit, total * training.global_batch_size)
         lines = MegatronLogLines(total, training.global_batch_size, training.megatron_core_version)
+        dump = IterationDump(request.output_dir / CONFIG_FILE if request.dump is not None else None)
         ddp.train()
         for iteration in range(1, total + 1):
-            stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request, device)
+            with dump.iteration([ddp]):
+                stats = _train_step(ddp, optimizer, scheduler, batches[iteration - 1], iteration, request, device)
             if not prints:
                 continue
             emit(lines.line(iteration, stats))
@@ -364,6 +377,8 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
     if len(batches) < total:
         raise ValueError(f"{request.data.prefix}: {len(batches)} global batches for {total} iterations")
     request.output_dir.mkdir(parents=True, exist_ok=True)
+    if request.dump is not None:  # every rank's debugger reads it; msprobe writes msprobe_dump/step{N}/rank{R}/
+        write_msprobe_config(request.dump, request.output_dir, request.iterations)
     if request.config.parallel.megatron.world_size > 1:
         if request.init_checkpoint is None:
             raise ValueError("init_checkpoint: a sharded run verifies what each rank loaded against its file of the "

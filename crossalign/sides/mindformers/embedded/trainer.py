@@ -19,6 +19,9 @@ What it reproduces of MindFormers' pynative trainer (SPEC sections 6 and 7):
   pass), the optimizer file with ``adam_m.*``, ``adam_v.*`` and an int64 ``global_step`` (the lr comes
   from the schedule, so no ``learning_rate``), and common.json whose ``step_num`` is the run's total steps.
 
+With a dump asked (``TrainRequest.dump``), each step runs under msprobe's MindSpore PrecisionDebugger
+(:class:`IterationDump`), as the ``mindformers-msprobe-dump`` patch runs a real MindFormers step.
+
 The optimizer runs in numpy fp32: MindSpore's CPU AdamW (``mint.optim.AdamW``) has no kernel and
 ``nn.AdamWeightDecay`` has no bias correction, and per-parameter PyNative ops would cost more
 than the model itself.
@@ -29,7 +32,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -38,6 +42,7 @@ import numpy as np
 
 from crossalign.sides.protocol import TrainRequest, TrainResult
 from crossalign.config import AlignmentConfig, TrainingConfig
+from crossalign.dump_settings import write_msprobe_config
 from crossalign.sides.mindformers.yaml import sample_order
 
 LOGGER_SOURCE = "mindformers/pynative/callback/loss_callback.py:337"  # 2.1.0's logger.info of the line
@@ -269,6 +274,40 @@ def _verify_loaded(values: dict[str, np.ndarray], state: dict) -> None:
                    shape_of=lambda value: tuple(value.shape))
 
 
+class IterationDump:
+    """msprobe's MindSpore dump around each training step (PyNative), as a MindFormers run takes it; a no-op
+    without a config (``config_path``: the step's msprobe ``config.json``).
+
+    ``debugger.start(net)`` before the step, ``stop()`` and ``step()`` after: msprobe picks the configured step and
+    writes ``step{N}/rank0/{dump.json, construct.json, stack.json, dump_tensor_data/}`` (rank 0: this side trains
+    in one process, without a communication group, where msprobe would name the folder ``proc{pid}``). On
+    MindSpore's CPU backend msprobe's norm statistic has no kernel: ``msprobe_norm_on_cpu`` stands in for it
+    (``crossalign/sides/mindformers/dump.py``). msprobe's debugger is one per process (its first config stays).
+    """
+
+    def __init__(self, config_path: Path | None):
+        self._debugger = None
+        if config_path is not None:
+            from msprobe.mindspore import PrecisionDebugger  # heavy (hooks MindSpore's APIs): only when dumping
+
+            self._debugger = PrecisionDebugger(config_path=str(config_path))
+
+    @contextmanager
+    def iteration(self, net) -> Iterator[None]:
+        if self._debugger is None:
+            yield
+            return
+        from crossalign.sides.mindformers.dump import msprobe_norm_on_cpu  # imports msprobe: only when dumping
+
+        with msprobe_norm_on_cpu():
+            self._debugger.start(net, rank_id=0)
+            try:
+                yield
+            finally:
+                self._debugger.stop()
+            self._debugger.step()
+
+
 def initial_state(request: TrainRequest) -> dict:
     """Random weights for a base run, the weights of ``init_checkpoint`` for an align run."""
     from crossalign.models.layout import random_mindformers_state
@@ -300,6 +339,10 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
     started = time.perf_counter()
     trainer = _Trainer(request.config, initial_state(request))
     request.output_dir.mkdir(parents=True, exist_ok=True)
+    dump = IterationDump(None if request.dump is None else write_msprobe_config(request.dump, request.output_dir,
+                                                                                  total))
+    if request.dump is not None and request.dump.level == "mix":  # msprobe wraps every API: no ms.jit graph
+        trainer.net.eager_rule()
     log_dir = request.named_output_dir / "log"  # MindFormers names its log folder in every line
     with open(request.log_path, "w") as log:
         for step in range(1, total + 1):
@@ -307,7 +350,8 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
             if tokens.shape != expected_shape:
                 raise TrainingSetupError(f"batch of step {step}: shape {tokens.shape}, expected {expected_shape}")
             step_start = time.perf_counter()
-            metrics = trainer.step(tokens, warmup_lr(training, step))
+            with dump.iteration(trainer.net):
+                metrics = trainer.step(tokens, warmup_lr(training, step))
             step_time_ms = int((time.perf_counter() - step_start) * 1000)
             logged_lr = warmup_lr(training, step + 1)  # pynative prints the lr of the next step
             balancing = trainer.load_balancing_loss(metrics["aux_loss"])
