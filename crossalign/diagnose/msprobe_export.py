@@ -1,0 +1,99 @@
+"""The mapping files msprobe's own compare takes for a MindSpore dump against a PyTorch one, from crossalign's pairs.
+
+``msprobe -f mindspore compare -tp NPU/dump.json -gp BENCH/dump.json -o OUT -dm data_mapping.yaml`` (or ``-lm
+layer_mapping.yaml``) pairs the two dumps' tensors by name. msprobe names a tensor (msprobe/core/compare/utils.py:
+112-127 ``read_op`` and 130-189 ``op_item_parse``, the suffixes of const.py:850-856 ``IO_NAME_MAPPING``) as
+``<entry key>.input.<i>``, ``<entry key>.output.<i>``, ``<entry key>.parameters.<name>``, and a weight gradient as
+``<parameters_grad key>.<name>``. ``data_mapping.yaml`` maps the NPU side's names to the bench side's
+(acc_compare.py:738-740 and 854-855, ``process_data_mapping``). ``layer_mapping.yaml`` maps, under the class of a
+MindSpore cell (``TopLayer`` for the root), each child cell's name to the PyTorch child's name where they differ
+(layer_mapping/layer_mapping.py:89-118 ``convert_scope``, 151-183 ``preprocess_layer_mapping``).
+
+Only tensors msprobe can hold side by side are mapped: same meaning and same element order. Left out: the inputs of
+a linear whose norm Megatron fuses into it (before vs after the norm), the outputs of a linear whose rule reorders
+its rows (SwiGLU fc1 de-interleave), and weights that a rule re-lays out (only renamed ones are mapped). The names
+are those of the rank folders, so the files serve dumps of the same layout on both sides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from crossalign.diagnose.mapping import FUSED_NORM_PARAMETER, ModuleMapping
+from crossalign.diagnose.msprobe_shards import WholeDump, WholeEntry
+
+
+def _pairs(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping):
+    """(MindSpore entry, Megatron entry) of every paired module call, forward, backward and parameters_grad."""
+    index = {(e.name, e.direction, e.index): e for e in gpu.entries.values() if e.is_module}
+    for entry in npu.entries.values():
+        if not entry.is_module:
+            continue
+        mg_name = mapping.megatron_name(entry.name)
+        other = index.get((mg_name, entry.direction, entry.index)) if mg_name is not None else None
+        if other is not None:
+            yield entry, other
+
+
+def _renamed_parameters(entry: WholeEntry, other: WholeEntry) -> dict[str, str]:
+    """MindSpore parameter -> Megatron parameter of a module pair, where the conversion only renames it."""
+    renamed = {}
+    for pname, record in entry.parameters.items():
+        for qname, theirs in other.parameters.items():
+            if qname == FUSED_NORM_PARAMETER or theirs.shape != record.shape:
+                continue
+            if qname == pname or qname.lower() == pname.lower():
+                renamed[pname] = qname
+    return renamed
+
+
+def data_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping) -> dict[str, str]:
+    """NPU tensor name -> bench tensor name for msprobe's ``-dm``."""
+    result: dict[str, str] = {}
+    for ms, mg in _pairs(npu, gpu, mapping):
+        reordered = ms.name in mapping.output_permutations
+        fused = FUSED_NORM_PARAMETER in mg.parameters
+        if ms.direction == "parameters_grad":
+            for pname, qname in _renamed_parameters(ms, mg).items():
+                result[f"{ms.key}.{pname}"] = f"{mg.key}.{qname}"
+            continue
+        if ms.direction == "forward":
+            if not reordered:
+                for i in range(min(len(ms.outputs), len(mg.outputs))):
+                    result[f"{ms.key}.output.{i}"] = f"{mg.key}.output.{i}"
+            if ms.inputs and mg.inputs and not fused:
+                result[f"{ms.key}.input.0"] = f"{mg.key}.input.0"
+            for pname, qname in _renamed_parameters(ms, mg).items():
+                result[f"{ms.key}.parameters.{pname}"] = f"{mg.key}.parameters.{qname}"
+        else:  # backward: input holds the gradient of the outputs, output that of the inputs
+            if ms.inputs and mg.inputs and not reordered:
+                result[f"{ms.key}.input.0"] = f"{mg.key}.input.0"
+            if not fused:
+                for i in range(min(len(ms.outputs), len(mg.outputs))):
+                    result[f"{ms.key}.output.{i}"] = f"{mg.key}.output.{i}"
+    return result
+
+
+def layer_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping) -> dict[str, dict[str, str]]:
+    """``{MindSpore class: {child cell: PyTorch child}}`` for msprobe's ``-lm``, where the names differ."""
+    classes = {e.name: e.cls for e in npu.entries.values() if e.is_module}
+    result: dict[str, dict[str, str]] = {}
+    for ms_name, mg_name in mapping.pairs.items():
+        ms_parts, mg_parts = ms_name.split("."), mg_name.split(".")
+        if len(ms_parts) != len(mg_parts) or ms_name not in classes:
+            continue
+        for level, (mine, theirs) in enumerate(zip(ms_parts, mg_parts)):
+            if mine == theirs:
+                continue
+            parent = ".".join(ms_parts[:level])
+            owner = classes.get(parent, "TopLayer") if parent else "TopLayer"
+            result.setdefault(owner, {})[mine] = theirs
+    return result
+
+
+def write_yaml(path: Path, content: dict) -> Path:
+    path.write_text(yaml.safe_dump(content, sort_keys=False, allow_unicode=True))
+    return path
+
