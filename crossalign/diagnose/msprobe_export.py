@@ -21,7 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from crossalign.diagnose.mapping import FUSED_NORM_PARAMETER, ModuleMapping
+from crossalign.checkpoint.rules import Rename
+from crossalign.diagnose.mapping import ModuleMapping
+from crossalign.diagnose.msprobe_match import pre_norm_modules
 from crossalign.diagnose.msprobe_shards import WholeDump, WholeEntry
 
 
@@ -37,40 +39,44 @@ def _pairs(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping):
             yield entry, other
 
 
-def _renamed_parameters(entry: WholeEntry, other: WholeEntry) -> dict[str, str]:
-    """MindSpore parameter -> Megatron parameter of a module pair, where the conversion only renames it."""
-    renamed = {}
-    for pname, record in entry.parameters.items():
-        for qname, theirs in other.parameters.items():
-            if qname == FUSED_NORM_PARAMETER or theirs.shape != record.shape:
-                continue
-            if qname == pname or qname.lower() == pname.lower():
-                renamed[pname] = qname
-    return renamed
+def renamed_parameters(plan) -> dict[str, str]:
+    """MindSpore parameter -> Megatron parameter (full names) of every rule that only renames (``Rename``)."""
+    return {placed.ms_keys[0]: placed.mg_keys[0] for placed in plan if type(placed.rule) is Rename}
 
 
-def data_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping) -> dict[str, str]:
-    """NPU tensor name -> bench tensor name for msprobe's ``-dm``."""
+def _parameter_pairs(ms: WholeEntry, mg: WholeEntry, renamed: dict[str, str]) -> dict[str, str]:
+    pairs = {}
+    for pname in ms.parameters:
+        target = renamed.get(f"{ms.name}.{pname}" if ms.name else pname)
+        if target is not None and target.rpartition(".")[0] == mg.name and target.rpartition(".")[2] in mg.parameters:
+            pairs[pname] = target.rpartition(".")[2]
+    return pairs
+
+
+def data_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping, plan) -> dict[str, str]:
+    """NPU tensor name -> bench tensor name for msprobe's ``-dm``; ``plan``: the conversion rules."""
+    renamed = renamed_parameters(plan)
+    pre_norm = pre_norm_modules(mapping)
     result: dict[str, str] = {}
     for ms, mg in _pairs(npu, gpu, mapping):
         reordered = ms.name in mapping.output_permutations
-        fused = FUSED_NORM_PARAMETER in mg.parameters
+        before_norm = mg.name in pre_norm
         if ms.direction == "parameters_grad":
-            for pname, qname in _renamed_parameters(ms, mg).items():
+            for pname, qname in _parameter_pairs(ms, mg, renamed).items():
                 result[f"{ms.key}.{pname}"] = f"{mg.key}.{qname}"
             continue
         if ms.direction == "forward":
             if not reordered:
                 for i in range(min(len(ms.outputs), len(mg.outputs))):
                     result[f"{ms.key}.output.{i}"] = f"{mg.key}.output.{i}"
-            if ms.inputs and mg.inputs and not fused:
+            if ms.inputs and mg.inputs and not before_norm:
                 result[f"{ms.key}.input.0"] = f"{mg.key}.input.0"
-            for pname, qname in _renamed_parameters(ms, mg).items():
+            for pname, qname in _parameter_pairs(ms, mg, renamed).items():
                 result[f"{ms.key}.parameters.{pname}"] = f"{mg.key}.parameters.{qname}"
         else:  # backward: input holds the gradient of the outputs, output that of the inputs
             if ms.inputs and mg.inputs and not reordered:
                 result[f"{ms.key}.input.0"] = f"{mg.key}.input.0"
-            if not fused:
+            if not before_norm:
                 for i in range(min(len(ms.outputs), len(mg.outputs))):
                     result[f"{ms.key}.output.{i}"] = f"{mg.key}.output.{i}"
     return result

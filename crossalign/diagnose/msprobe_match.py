@@ -253,7 +253,8 @@ def _activation_row(section: str, ms: WholeEntry, mg: WholeEntry, mode: str, thr
     """Forward: outputs, and the first input as the check that the module got the same input. Backward: msprobe's
     backward record holds the gradient of the outputs as "input" (the incoming gradient) and that of the inputs as
     "output" (the outgoing one)."""
-    count = min(len(ms.outputs), len(mg.outputs))
+    # backward: only the gradient of the first input (the hidden state); the other inputs differ by framework
+    count = min(len(ms.outputs), len(mg.outputs), 1 if section == "backward" else len(ms.outputs))
     worst: tuple | None = None
     for index in range(count):
         perm = permutation if (index == 0 and section == "forward") else None

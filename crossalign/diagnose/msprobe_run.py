@@ -10,6 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from crossalign.checkpoint.rules import conversion_plan
 from crossalign.config import AlignmentConfig
 from crossalign.diagnose.compare import Thresholds
 from crossalign.diagnose.mapping import module_mapping
@@ -75,7 +76,7 @@ def diagnose_msprobe(npu_dir: Path, gpu_dir: Path, config: AlignmentConfig, out_
         _write_csv(diagnosis, staging / CSV_NAME)
         (staging / SUMMARY_NAME).write_text(json.dumps(summary(diagnosis, npu, gpu), indent=1))
         write_yaml(staging / LAYER_MAPPING, layer_mapping(npu, gpu, mapping))
-        write_yaml(staging / DATA_MAPPING, data_mapping(npu, gpu, mapping))
+        write_yaml(staging / DATA_MAPPING, data_mapping(npu, gpu, mapping, conversion_plan(config.model, core_version)))
         out_dir.mkdir(parents=True, exist_ok=True)
         files = {}
         for name in (CSV_NAME, SUMMARY_NAME, LAYER_MAPPING, DATA_MAPPING):

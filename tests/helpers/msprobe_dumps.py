@@ -54,13 +54,13 @@ def torch_dump(model: ModelConfig, state, batch: Batch, out: Path, task: str = "
     """One forward+backward of the torch reference model under msprobe; returns the dump root (step0/rank/...).
     ``state``: a Megatron state, loaded as Megatron loads it (what fits; the rest keeps its seeded initial value);
     None: the model at its seeded initial values."""
-    return torch_dumps(model, [state], batch, out, task, level, core_version)
+    return torch_dumps([(model, state, batch, core_version)], out, task, level)
 
 
-def torch_dumps(model: ModelConfig, states: list, batch: Batch, out: Path, task: str = "statistics",
-                level: str = "L0", core_version: str = "0.16.1") -> Path:
-    """One training step of the torch reference model per state, dumped as msprobe steps 0, 1, ... of one
-    PrecisionDebugger (one per process: msprobe/core/dump/debugger/precision_debugger.py:27-38)."""
+def torch_dumps(runs: list, out: Path, task: str = "statistics", level: str = "L0") -> Path:
+    """One training step of the torch reference model per (model, Megatron state, batch, core version), dumped as
+    msprobe steps 0, 1, ... of one PrecisionDebugger (one per process:
+    msprobe/core/dump/debugger/precision_debugger.py:27-38)."""
     from msprobe.pytorch import PrecisionDebugger  # heavy optional framework, imported only when dumping
 
     from crossalign.diagnose.references import build_megatron
@@ -68,9 +68,9 @@ def torch_dumps(model: ModelConfig, states: list, batch: Batch, out: Path, task:
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = write_msprobe_config(out / "config.json", out / "dump", task, level, list(range(len(states))))
+    config = write_msprobe_config(out / "config.json", out / "dump", task, level, list(range(len(runs))))
     debugger = PrecisionDebugger(config_path=str(config))
-    for state in states:
+    for model, state, batch, core_version in runs:
         if state is None:
             torch.manual_seed(0)
             net = Qwen35Model(model, core_version=core_version)
@@ -84,10 +84,9 @@ def torch_dumps(model: ModelConfig, states: list, batch: Batch, out: Path, task:
     return out / "dump"
 
 
-def mindspore_dump(model: ModelConfig, state, batch: Batch, out: Path, task: str = "statistics",
-                   level: str = "L0") -> Path:
+def mindspore_dumps(runs: list, out: Path, task: str = "statistics", level: str = "L0") -> Path:
     """One forward+backward (``mindspore.grad`` of the same loss as the PyTorch side) of the MindSpore reference
-    model under msprobe, PyNative on CPU; ``state``: a MindFormers state, loaded strictly."""
+    model per (model, MindFormers state, batch) under msprobe, PyNative on CPU, as msprobe steps 0, 1, ..."""
     import mindspore as ms  # heavy optional framework, imported only when dumping the MindSpore side
     from msprobe.mindspore import PrecisionDebugger
 
@@ -97,22 +96,24 @@ def mindspore_dump(model: ModelConfig, state, batch: Batch, out: Path, task: str
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    net = Qwen35Model(model)
-    load_mindformers_state(net, state)
-    net.set_train(True)
-    ids, labels, mask = ms.Tensor(batch.input_ids), ms.Tensor(batch.labels), ms.Tensor(batch.loss_mask)
+    config = write_msprobe_config(out / "config.json", out / "dump", task, level, list(range(len(runs))))
+    debugger = PrecisionDebugger(config_path=str(config))
+    for model, state, batch in runs:
+        net = Qwen35Model(model)
+        load_mindformers_state(net, state)
+        net.set_train(True)
+        ids, labels, mask = ms.Tensor(batch.input_ids), ms.Tensor(batch.labels), ms.Tensor(batch.loss_mask)
 
-    def total_loss(ids, labels, mask):
-        _, loss, mtp, aux = net(ids, labels, mask)
-        return loss + mtp.sum() + aux
+        def total_loss(ids, labels, mask, net=net):
+            _, loss, mtp, aux = net(ids, labels, mask)
+            return loss + mtp.sum() + aux
 
-    grad = ms.grad(total_loss, grad_position=None, weights=net.trainable_params())
-    debugger = PrecisionDebugger(config_path=str(write_msprobe_config(out / "config.json", out / "dump", task, level)))
-    with msprobe_norm_on_cpu():
-        debugger.start(net)
-        grad(ids, labels, mask)
-        debugger.stop()
-        debugger.step()
+        grad = ms.grad(total_loss, grad_position=None, weights=net.trainable_params())
+        with msprobe_norm_on_cpu():
+            debugger.start(net)
+            grad(ids, labels, mask)
+            debugger.stop()
+            debugger.step()
     return out / "dump"
 
 
@@ -137,54 +138,58 @@ def conversions(spec: str) -> tuple[str | None, tuple[int, int, int]]:
     return (None if fault == "clean" else fault), tuple(int(n) for n in (layout or "1,1,1").split(","))
 
 
-def run_dumps(side: str, config_name: str, out: Path, specs: list[str], task: str = "statistics",
-              level: str = "L0", seq: int = 8, batch: int = 1) -> dict[str, Path]:
-    """Dumps in one fresh process (msprobe's PrecisionDebugger is a process-wide singleton), one per conversion of
-    ``specs`` (see ``conversions``; the MindSpore side takes the MindFormers checkpoint itself, so 'clean' only).
-    Returns spec -> a dump root holding ``step0/`` (msprobe's step i of the process, moved to a folder of its own)."""
+def run_dumps(side: str, items: list[tuple[str, str]], out: Path, task: str = "statistics", level: str = "L0",
+              seq: int = 8, batch: int = 1) -> dict[tuple[str, str], Path]:
+    """Dumps in one fresh process (msprobe's PrecisionDebugger is a process-wide singleton), one per (config name,
+    conversion spec; see ``conversions``). The MindSpore side runs the MindFormers checkpoint itself, so its only
+    spec is 'clean'; 'initial' is the torch model at its seeded initial values. Returns (config, spec) -> a dump
+    root holding ``step0/`` (msprobe's step i of the process, moved to a folder of its own)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "-m", "tests.helpers.msprobe_dumps", side, config_name, str(out), task, level,
-            str(seq), str(batch), *specs]
+    args = [sys.executable, "-m", "tests.helpers.msprobe_dumps", side, str(out), task, level, str(seq), str(batch),
+            *(f"{name}:{spec}" for name, spec in items)]
     result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
-        raise RuntimeError(f"msprobe {side} dumps of {config_name} ({task}, {level}, {specs}) failed:\n"
-                           f"{result.stderr[-4000:]}")
+        raise RuntimeError(f"msprobe {side} dumps ({task}, {level}, {items}) failed:\n{result.stderr[-4000:]}")
     roots = {}
-    for step, spec in enumerate(specs):
-        root = out / spec.replace("@", "_at_").replace(",", "_")
-        root.mkdir()
+    for step, (name, spec) in enumerate(items):
+        root = out / name / spec.replace("@", "_at_").replace(",", "_")
+        root.mkdir(parents=True)
         shutil.move(str(out / "dump" / f"step{step}"), root / "step0")
-        roots[spec] = root
+        roots[name, spec] = root
     return roots
 
 
 def torch_dump_subprocess(config_name: str, out: Path, task: str = "statistics", level: str = "L0",
                           seq: int = 8, batch: int = 1) -> Path:
     """The torch reference model at its seeded initial values (no checkpoint) under msprobe, in its own process."""
-    return run_dumps("pytorch", config_name, out, ["initial"], task, level, seq, batch)["initial"]
+    return run_dumps("pytorch", [(config_name, "initial")], out, task, level, seq, batch)[config_name, "initial"]
 
 
 def main(argv: list[str]) -> None:
     from crossalign.config import load_config
     from crossalign.diagnose.references import random_batch
 
-    side, name, folder, task, level, seq, batch, *specs = argv
-    config = load_config(name)
-    the_batch = random_batch(config.model, int(seq), int(batch), seed=BATCH_SEED)
-    core_version = config.training.megatron_core_version
-    if specs == ["initial"]:
-        torch_dumps(config.model, [None], the_batch, Path(folder), task, level, core_version)
-        return
+    side, folder, task, level, seq, batch, *items = argv
+    runs = []
+    for item in items:
+        name, _, spec = item.partition(":")
+        config = load_config(name)
+        the_batch = random_batch(config.model, int(seq), int(batch), seed=BATCH_SEED)
+        core_version = config.training.megatron_core_version
+        if side == "mindspore":
+            if spec != "clean":
+                raise SystemExit("the MindSpore side runs the MindFormers checkpoint itself: its only spec is 'clean'")
+            runs.append((config.model, _states(name, None, (1, 1, 1))[1], the_batch))
+        elif spec == "initial":
+            runs.append((config.model, None, the_batch, core_version))
+        else:
+            runs.append((config.model, _states(name, *conversions(spec))[2], the_batch, core_version))
     if side == "mindspore":
-        if specs != ["clean"]:
-            raise SystemExit("the MindSpore side runs the MindFormers checkpoint itself: its only spec is 'clean'")
-        _, ms_state, _ = _states(name, None, (1, 1, 1))
-        mindspore_dump(config.model, ms_state, the_batch, Path(folder), task, level)
-        return
-    states = [_states(name, *conversions(spec))[2] for spec in specs]
-    torch_dumps(config.model, states, the_batch, Path(folder), task, level, core_version)
+        mindspore_dumps(runs, Path(folder), task, level)
+    else:
+        torch_dumps(runs, Path(folder), task, level)
 
 
 if __name__ == "__main__":
