@@ -28,7 +28,7 @@ from crossalign.diagnose.msprobe_match import _module_of_key
 from crossalign.diagnose.msprobe_run import diagnose_msprobe
 from crossalign.diagnose.msprobe_shards import SideLayout, WholeRecord, combine_statistics
 from crossalign.sides.megatron.sharding import Partition, split_tensor
-from tests.helpers.msprobe_dumps import run_dumps
+from tests.helpers.msprobe_pairs import run_dumps
 
 pytest.importorskip("msprobe")
 
@@ -137,11 +137,12 @@ def test_metrics_are_msprobes_own_on_the_dumped_tensors(dumps):
 
     ms = read_dump(dumps["qwen35_dense_tiny"]["mindspore"]).ranks[0].entries
     mg = read_dump(dumps["qwen35_dense_tiny"]["conv1d_wrong_axis"]).ranks[0].entries
+    wrapped = "Module.module.module."  # the PyTorch side runs under Megatron's two wrappers
     pairs = [("Cell.decoder.layers.0.self_attention.GatedDeltaNet.forward.0",
-              "Module.decoder.layers.0.self_attention.GatedDeltaNet.forward.0"),
+              wrapped + "decoder.layers.0.self_attention.GatedDeltaNet.forward.0"),
              ("Cell.decoder.layers.0.mlp.linear_fc2.Linear.forward.0",
-              "Module.decoder.layers.0.mlp.linear_fc2.Linear.forward.0"),
-             ("Cell.embedding.Embedding.forward.0", "Module.embedding.Embedding.forward.0")]
+              wrapped + "decoder.layers.0.mlp.linear_fc2.Linear.forward.0"),
+             ("Cell.embedding.Embedding.forward.0", wrapped + "embedding.Embedding.forward.0")]
     for ms_key, mg_key in pairs:
         n_value, b_value = ms[ms_key].outputs[0].load(), mg[mg_key].outputs[0].load()
         ours = msprobe_metrics.tensor_metrics(n_value, b_value)
@@ -210,9 +211,12 @@ def test_msprobe_compare_with_the_exported_mappings_finds_the_same_first_diverge
 
 
 def test_which_ranks_a_layout_needs():
-    layout = SideLayout(tensor=2, pipeline=1, expert=2, data=2)  # TP 2 x EP 2 on 4 cards
+    layout = SideLayout(tensor=2, pipeline=1, expert=2, data=2)  # TP 2 x EP 2 (ETP 2) on 4 cards
     assert layout.needed() == [0, 1, 2, 3]
-    assert [layout.coordinates(r) for r in range(4)] == [(0, 0, 0, 0), (1, 0, 0, 0), (0, 0, 1, 1), (1, 0, 1, 1)]
+    assert [layout.coordinates(r) for r in range(4)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
+    assert [layout.expert_coordinates(r)[:2] for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    two_cards = SideLayout(tensor=2, pipeline=1, expert=2, data=1, expert_tensor=1)  # experts over the TP ranks
+    assert two_cards.needed() == [0, 1] and [two_cards.expert_coordinates(r)[:2] for r in (0, 1)] == [(0, 0), (0, 1)]
     assert SideLayout(tensor=2, pipeline=2, expert=1, data=2).needed() == [0, 1, 4, 5]
 
 
@@ -284,3 +288,26 @@ def test_bad_dumps_are_refused_naming_the_file(dumps, tmp_path):
     config = tmp_path / "tp2.yaml"
     config.write_text(yaml.safe_dump(two_ranks))
     refused(ms, pt, "megatron layout TP 2 x PP 1 x EP 1 (DP 1) needs rank folders rank1", model=config)
+
+
+@pytest.mark.slow
+def test_cli_diagnose_takes_the_dumps_a_run_collected(dumps, tmp_path):
+    import shutil
+
+    from crossalign.diagnose.msprobe_run import RUN_DUMP_DIR
+    from crossalign.store import RunStore
+
+    config = load_config("qwen35_dense_tiny")
+    run = RunStore(tmp_path / "store").create_run("r1", config, config_source="test", parameters={}, code_version={})
+    pairs = dumps["qwen35_dense_tiny"]
+    shutil.copytree(pairs["mindspore"], run.step_dir("pynative-train") / RUN_DUMP_DIR)
+    shutil.copytree(pairs["dense_fc1_not_deinterleaved"], run.step_dir("megatron-train") / RUN_DUMP_DIR)
+    result = CliRunner().invoke(app, ["diagnose", "--run", str(run.path), "--precision", "fp32", "--rows", "2"])
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert "weights: first differs at decoder.layers.0.mlp.linear_fc1.weight" in text
+    assert "forward: first differs at Module.decoder.layers.0.mlp.linear_fc1.LayerNormLinear.forward.0" in text
+    assert "de-interleaved" in text
+    summary = json.loads((run.path / "diagnose" / "msprobe_summary.json").read_text())
+    assert summary["first_divergence"]["megatron"] == "decoder.layers.0.mlp.linear_fc1.weight"
+    assert (run.path / "diagnose" / "data_mapping.yaml").is_file()

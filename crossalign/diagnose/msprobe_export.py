@@ -63,22 +63,22 @@ def data_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping, plan) -
         before_norm = mg.name in pre_norm
         if ms.direction == "parameters_grad":
             for pname, qname in _parameter_pairs(ms, mg, renamed).items():
-                result[f"{ms.key}.{pname}"] = f"{mg.key}.{qname}"
+                result[f"{ms.raw_key}.{pname}"] = f"{mg.raw_key}.{qname}"
             continue
         if ms.direction == "forward":
             if not reordered:
                 for i in range(min(len(ms.outputs), len(mg.outputs))):
-                    result[f"{ms.key}.output.{i}"] = f"{mg.key}.output.{i}"
+                    result[f"{ms.raw_key}.output.{i}"] = f"{mg.raw_key}.output.{i}"
             if ms.inputs and mg.inputs and not before_norm:
-                result[f"{ms.key}.input.0"] = f"{mg.key}.input.0"
+                result[f"{ms.raw_key}.input.0"] = f"{mg.raw_key}.input.0"
             for pname, qname in _parameter_pairs(ms, mg, renamed).items():
-                result[f"{ms.key}.parameters.{pname}"] = f"{mg.key}.parameters.{qname}"
+                result[f"{ms.raw_key}.parameters.{pname}"] = f"{mg.raw_key}.parameters.{qname}"
         else:  # backward: input holds the gradient of the outputs, output that of the inputs
             if ms.inputs and mg.inputs and not reordered:
-                result[f"{ms.key}.input.0"] = f"{mg.key}.input.0"
+                result[f"{ms.raw_key}.input.0"] = f"{mg.raw_key}.input.0"
             if not before_norm:
                 for i in range(min(len(ms.outputs), len(mg.outputs))):
-                    result[f"{ms.key}.output.{i}"] = f"{mg.key}.output.{i}"
+                    result[f"{ms.raw_key}.output.{i}"] = f"{mg.raw_key}.output.{i}"
     return result
 
 
@@ -86,6 +86,10 @@ def layer_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping) -> dic
     """``{MindSpore class: {child cell: PyTorch child}}`` for msprobe's ``-lm``, where the names differ."""
     classes = {e.name: e.cls for e in npu.entries.values() if e.is_module}
     result: dict[str, dict[str, str]] = {}
+    wrapper = _wrapper_prefix(gpu)  # Megatron's "module.module." (DDP, Float16Module) above the model's own names
+    if wrapper:
+        tops = {ms.split(".")[0]: mg.split(".")[0] for ms, mg in mapping.pairs.items()}
+        result["TopLayer"] = {mine: wrapper + theirs for mine, theirs in sorted(tops.items())}
     for ms_name, mg_name in mapping.pairs.items():
         ms_parts, mg_parts = ms_name.split("."), mg_name.split(".")
         if len(ms_parts) != len(mg_parts) or ms_name not in classes:
@@ -97,6 +101,16 @@ def layer_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping) -> dic
             owner = classes.get(parent, "TopLayer") if parent else "TopLayer"
             result.setdefault(owner, {})[mine] = theirs
     return result
+
+
+def _wrapper_prefix(dump: WholeDump) -> str:
+    """What msprobe's names hold above the model's own module names (the wrappers and the model-chunk index)."""
+    for entry in dump.entries.values():
+        if entry.is_module and entry.name and entry.raw_key:
+            raw = ".".join(entry.raw_key.split(".")[1:-3])
+            if raw.endswith(entry.name):
+                return raw[: len(raw) - len(entry.name)]
+    return ""
 
 
 def write_yaml(path: Path, content: dict) -> Path:

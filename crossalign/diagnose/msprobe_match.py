@@ -25,7 +25,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from crossalign.checkpoint.rules import ZeroCentre, conversion_plan
 from crossalign.config import ModelConfig
 from crossalign.diagnose.causes import KnownCause, explain
 from crossalign.diagnose.compare import Thresholds
@@ -33,6 +35,7 @@ from crossalign.diagnose.mapping import FUSED_NORM_PARAMETER, ModuleMapping
 from crossalign.diagnose.msprobe_dump import MsprobeDumpError
 from crossalign.diagnose.msprobe_metrics import TensorMetrics, md5_result, statistics_warning, tensor_metrics
 from crossalign.diagnose.msprobe_shards import WholeDump, WholeEntry, WholeRecord, combine_statistics
+from crossalign.sides.megatron.te_local import local_to_te_names
 
 SECTIONS = ("weights", "forward", "backward", "weight gradients")
 
@@ -158,24 +161,41 @@ def compare_records(ms: WholeRecord, mg: WholeRecord, mode: str, thresholds: Thr
 # ---- weights and weight gradients through the conversion rules --------------------------------------------------
 
 
-def _parameter_records(dump: WholeDump, direction: str) -> dict[str, WholeRecord]:
-    """Full parameter name -> record, from each module's first forward call (weights) or its parameters_grad."""
+def _parameter_records(dump: WholeDump, direction: str, renames: dict[str, str] | None = None
+                       ) -> dict[str, WholeRecord]:
+    """Full parameter name -> record, from each module's first forward call (weights) or its parameters_grad;
+    ``renames``: megatron-core's local-module names -> the TransformerEngine names the conversion rules write
+    (``sides/megatron/te_local.py``: a CPU run's separate norms and ``local_experts``)."""
     found: dict[str, WholeRecord] = {}
     for entry in dump.entries.values():
         if not entry.is_module or entry.direction != direction:
             continue
         for pname, record in entry.parameters.items():
-            found.setdefault(f"{entry.name}.{pname}" if entry.name else pname, record)
+            full = f"{entry.name}.{pname}" if entry.name else pname
+            found.setdefault((renames or {}).get(full, full), record)
     return found
+
+
+def with_unfused_norms(mapping: ModuleMapping, gpu: WholeDump) -> ModuleMapping:
+    """The mapping with each norm that the Megatron dump runs as a module of its own (megatron-core's local
+    modules, no TransformerEngine: ``input_layernorm``/``pre_mlp_layernorm`` are RMSNorm, not fused) paired with it
+    instead of fused into the linear after it."""
+    modules = {e.name for e in gpu.entries.values() if e.is_module and "weight" in e.parameters}
+    own = {}
+    for norm in mapping.fused:
+        parent, _, leaf = norm.rpartition(".")
+        counterpart = f"{mapping.pairs.get(parent, parent)}.{leaf}" if parent else leaf
+        if counterpart in modules:
+            own[norm] = counterpart
+    if not own:
+        return mapping
+    return ModuleMapping(pairs={**mapping.pairs, **own}, fused={k: v for k, v in mapping.fused.items() if k not in own},
+                         unpaired=mapping.unpaired, output_permutations=mapping.output_permutations)
 
 
 def _rule_rows(section: str, plan, ms_params: dict[str, WholeRecord], mg_params: dict[str, WholeRecord],
                mode: str, thresholds: Thresholds) -> tuple[list[Row], list[str]]:
     """Rows of every rule whose tensors both dumps hold; notes for rules only one side's dump holds."""
-    import torch
-
-    from crossalign.checkpoint.rules import ZeroCentre
-
     rows: list[Row] = []
     notes: list[str] = []
     for placed in plan:
@@ -231,6 +251,40 @@ def _module_index(dump: WholeDump) -> dict[tuple[str, str, int], WholeEntry]:
     return {(e.name, e.direction, e.index): e for e in dump.entries.values() if e.is_module}
 
 
+def _input_norm(entry: WholeEntry) -> float | None:
+    return entry.inputs[0].stats.get("Norm") if entry.inputs else None
+
+
+def _pair_calls(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping) -> dict[tuple[str, str, int], int]:
+    """(MindSpore module, direction, call) -> the Megatron call of its counterpart that took the same input.
+
+    A module called more than once (the embedding and output layer: once for the main model, once per MTP layer)
+    is not called in the same order by both: megatron-core runs the MTP block before the main model's output layer.
+    Each call is paired with the counterpart's call whose first input has the nearest norm."""
+    calls: dict[tuple[str, str], list[WholeEntry]] = {}
+    for entry in gpu.entries.values():
+        if entry.is_module:
+            calls.setdefault((entry.name, entry.direction), []).append(entry)
+    mine: dict[tuple[str, str], list[WholeEntry]] = {}
+    for entry in npu.entries.values():
+        if entry.is_module and mapping.megatron_name(entry.name) is not None:
+            mine.setdefault((entry.name, entry.direction), []).append(entry)
+    pairs: dict[tuple[str, str, int], int] = {}
+    for (name, direction), ours in mine.items():
+        theirs = calls.get((mapping.megatron_name(name), direction), [])
+        if len(ours) < 2 or len(theirs) != len(ours):
+            continue
+        free = list(theirs)
+        for entry in ours:
+            norm = _input_norm(entry)
+            if norm is None or any(_input_norm(t) is None for t in free):
+                break
+            best = min(free, key=lambda t: abs(_input_norm(t) - norm))
+            free.remove(best)
+            pairs[(name, direction, entry.index)] = best.index
+    return pairs
+
+
 def pre_norm_modules(mapping: ModuleMapping) -> set[str]:
     """Megatron modules whose input is the hidden state before a norm that MindSpore runs as a cell of its own.
 
@@ -259,6 +313,8 @@ def _activation_row(section: str, ms: WholeEntry, mg: WholeEntry, mode: str, thr
     for index in range(count):
         perm = permutation if (index == 0 and section == "forward") else None
         result = compare_records(ms.outputs[index], mg.outputs[index], mode, thresholds, perm)
+        if index and result[1] == "shape differs":
+            continue  # an extra output one framework returns (token ids, a bias): not the same tensor
         if worst is None or _severity(result) > _severity(worst):
             worst = (*result, index)
     input_status = "-"
@@ -288,8 +344,6 @@ def compare_msprobe_dumps(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping
                           core_version: str, thresholds: Thresholds) -> MsprobeDiagnosis:
     """The full comparison (see the module text). ``npu``: MindSpore side, ``gpu``: Megatron side; the causes
     offered are those the Megatron side's layout can have."""
-    from crossalign.checkpoint.rules import conversion_plan
-
     if npu.mode != gpu.mode:
         raise MsprobeDumpError(f"{npu.path} holds {npu.mode} and {gpu.path} {gpu.mode}: dump both sides with one "
                                f"task")
@@ -297,12 +351,15 @@ def compare_msprobe_dumps(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping
     rows: list[Row] = []
     notes = list(npu.notes) + list(gpu.notes)
     plan = conversion_plan(model, core_version, "per_expert")
+    te_names = local_to_te_names(model, core_version)
     weight_rows, weight_notes = _rule_rows("weights", plan, _parameter_records(npu, "forward"),
-                                           _parameter_records(gpu, "forward"), mode, thresholds)
+                                           _parameter_records(gpu, "forward", te_names), mode, thresholds)
     rows += weight_rows
     notes += weight_notes
     mg_index = _module_index(gpu)
+    mapping = with_unfused_norms(mapping, gpu)
     pre_norm = pre_norm_modules(mapping)
+    call_pairs = _pair_calls(npu, gpu, mapping)
     mapped: dict[tuple[str, str], None] = {}
     unmapped_ms: dict[str, None] = {}
     used_mg: set[str] = set()
@@ -319,7 +376,8 @@ def compare_msprobe_dumps(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping
                           else mapping.unpaired.get(f"mindspore:{entry.name}", "no Megatron module computes it"))
                 unmapped_ms[f"{entry.name} ({reason})"] = None
                 continue
-            mg_entry = mg_index.get((mg_name, section, entry.index))
+            mg_entry = mg_index.get((mg_name, section, call_pairs.get((entry.name, section, entry.index),
+                                                                     entry.index)))
             if mg_entry is None:
                 unmapped_ms[f"{entry.key} (Megatron {mg_name} has no {section} call {entry.index} in the dump)"] = None
                 continue
@@ -328,7 +386,7 @@ def compare_msprobe_dumps(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping
             rows.append(_activation_row(section, entry, mg_entry, mode, thresholds,
                                         mapping.output_permutations.get(entry.name), mg_name in pre_norm))
     grad_rows, _ = _rule_rows("weight gradients", plan, _parameter_records(npu, "parameters_grad"),
-                              _parameter_records(gpu, "parameters_grad"), mode, thresholds)
+                              _parameter_records(gpu, "parameters_grad", te_names), mode, thresholds)
     rows += grad_rows
     unmapped_mg = sorted({(f"{e.name} ({'its norm is fused into the linear after it' if e.name.endswith('layernorm') else mapping.unpaired.get('megatron:' + e.name, 'no MindSpore cell computes it')})" if e.is_module else f"{e.key} (an API call at level mix)")
                           for e in gpu.entries.values()
@@ -347,6 +405,10 @@ def compare_msprobe_dumps(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping
         else:
             module = _module_of_key(module)
         causes = explain(module, model, (gpu.layout.tensor, gpu.layout.pipeline, gpu.layout.expert))
+    if mode == "md5":
+        notes.append("md5 dumps tell bit-identical tensors from the rest: two frameworks rarely compute bit-identical "
+                     "activations, so the first module that differs is the first one not bit-identical (a tensor "
+                     "dump tells rounding from error)")
     if mode == "statistics":
         notes.append("statistics dumps: a weight re-laid-out in the wrong order keeps its Max/Min/Mean/Norm; such "
                      "faults show in the activations, or at their weight in md5 or tensor dumps")

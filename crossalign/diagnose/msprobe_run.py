@@ -18,6 +18,7 @@ from crossalign.diagnose.msprobe_dump import MsprobeDumpError, StepDump, read_du
 from crossalign.diagnose.msprobe_export import data_mapping, layer_mapping, write_yaml
 from crossalign.diagnose.msprobe_match import MsprobeDiagnosis, compare_msprobe_dumps
 from crossalign.diagnose.msprobe_shards import SideLayout, WholeDump, merge_side
+from crossalign.store import RunStore, StoreError
 
 CSV_NAME = "msprobe_diagnosis.csv"
 SUMMARY_NAME = "msprobe_summary.json"
@@ -121,13 +122,11 @@ def _write_csv(diagnosis: MsprobeDiagnosis, path: Path) -> None:
 
 # ---- the dumps a run's train steps collected ------------------------------------------------------------------
 
-RUN_DUMP_DIR = "msprobe"  # under each train step's folder: msprobe's dump_path (step{N}/rank{R}/...)
+RUN_DUMP_DIR = "msprobe_dump"  # in each train step's outputs: msprobe's dump_path (step{N}/rank{R}/...)
 
 
 def run_dump_folders(run_dir: Path) -> tuple[Path, Path]:
     """(MindFormers dump, Megatron dump) that the run's pynative-train and megatron-train steps collected."""
-    from crossalign.store import RunStore, StoreError
-
     run_dir = Path(run_dir).expanduser().absolute()
     run = RunStore(run_dir.parent).run(run_dir.name)
     folders = []

@@ -23,6 +23,8 @@ What is merged and how:
   ``sqrt(sum(norm_i^2))`` and Mean ``sum(mean_i * n_i) / sum(n_i)`` with each shard's element count from its shape,
   all exact. md5 of a merged tensor cannot be formed from its shards' md5s: split tensors have none (replicated
   ones keep rank 0's).
+- at PP > 1 the embedding and output layer also run on the last stage for the MTP block; those calls are left out
+  (named in the notes), the first stage's kept.
 """
 
 from __future__ import annotations
@@ -34,16 +36,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from crossalign.config import ModelConfig
+from crossalign.diagnose.hooks import DEFAULT_STRIP_PREFIXES, strip_wrapper_prefixes
 from crossalign.diagnose.msprobe_dump import MsprobeDumpError, StepDump, TensorRecord
+from crossalign.sides.megatron.sharding import mindformers_split_dim, partition_of
+from crossalign.tensorio.errors import CheckpointError
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*|$)")
 _EXPERT_PARAMETER = re.compile(r"^(weight|bias)(\d+)$")
+_LOCAL_EXPERT = re.compile(r"(mlp\.experts\.local_experts\.)(\d+)(\.|$)")
 _EXPERTS = re.compile(r"(^|\.)mlp\.experts(\.|$)")
+_CHUNK = re.compile(r"^\d+\.")  # msprobe's index of a model chunk in the list Megatron hands it
+_HEAD_SPLIT = re.compile(r"\.(q_layernorm|k_layernorm)$")  # [.., heads, head_dim]: split over heads (dim -2)
+_TOKEN_HEAD_ROWS = re.compile(r"\.out_norm$")  # [tokens x local heads, dim]: rows interleave tokens and heads
 
 
 @dataclass(frozen=True)
 class SideLayout:
-    """The parallel sizes of one side's run."""
+    """The parallel sizes of one side's run (``expert_tensor``: the expert tensor-parallel size)."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -51,27 +60,45 @@ class SideLayout:
     data: int = 1
     context: int = 1
     sequence_parallel: bool = False
+    expert_tensor: int | None = None
 
     @classmethod
     def of(cls, layout) -> "SideLayout":
         """From a config's ``parallel.megatron`` / ``parallel.mindformers`` section."""
         return cls(layout.tensor, layout.pipeline, layout.expert, layout.data_parallel, layout.context,
-                   layout.sequence_parallel)
+                   layout.sequence_parallel, layout.expert_tensor_size)
 
-    def coordinates(self, rank: int) -> tuple[int, int, int, int]:
-        """(tensor rank, pipeline stage, expert rank, data-parallel index) of a global rank."""
-        tp, dp = rank % self.tensor, (rank // self.tensor) % self.data
-        return tp, rank // (self.tensor * self.data), dp % self.expert, dp
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor or self.tensor
 
-    def rank(self, tp: int, pp: int, dp: int) -> int:
-        return tp + self.tensor * (dp + self.data * pp)
+    @property
+    def per_stage(self) -> int:
+        return self.tensor * self.data
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(tensor rank, pipeline stage, data-parallel index) of a global rank."""
+        within = rank % self.per_stage
+        return within % self.tensor, rank // self.per_stage, within // self.tensor
+
+    def expert_coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(expert tensor rank, expert rank, expert data-parallel index): the expert groups cut the same ranks
+        ``etp-ep-dp`` (core_v0.16.1 megatron/core/parallel_state.py, the expert ``RankGenerator``)."""
+        within = rank % self.per_stage
+        return within % self.etp, (within // self.etp) % self.expert, within // (self.etp * self.expert)
 
     def needed(self) -> list[int]:
-        return sorted(self.rank(t, p, d) for p in range(self.pipeline) for d in range(self.expert)
-                      for t in range(self.tensor))
+        """Every stage's tensor ranks of data-parallel index 0 and expert ranks of expert data-parallel index 0."""
+        ranks = set()
+        for stage in range(self.pipeline):
+            base = stage * self.per_stage
+            ranks |= {base + t for t in range(self.tensor)}
+            ranks |= {base + t + self.etp * e for t in range(self.etp) for e in range(self.expert)}
+        return sorted(ranks)
 
     def __str__(self) -> str:
-        return f"TP {self.tensor} x PP {self.pipeline} x EP {self.expert} (DP {self.data})"
+        etp = f" (ETP {self.etp})" if self.etp != self.tensor else ""
+        return f"TP {self.tensor} x PP {self.pipeline} x EP {self.expert}{etp} (DP {self.data})"
 
 
 @dataclass
@@ -84,11 +111,16 @@ class WholeRecord:
     dim: int | None = None
     segments: tuple[int, ...] = (1,)
     known_stats: dict[str, float | None] | None = None  # set where the parts' statistics do not make it up
+    summed: bool = False  # the parts are partial sums of the tensor (not pieces of it)
 
     @property
     def stats(self) -> dict[str, float | None]:
         if self.known_stats is not None:
             return dict(self.known_stats)
+        if self.summed:
+            whole = self.load()
+            return {"Max": float(whole.max()), "Min": float(whole.min()), "Mean": float(whole.mean()),
+                    "Norm": float(np.linalg.norm(whole))}
         if len(self.parts) == 1:
             return dict(self.parts[0].stats)
         return combine_statistics(self.parts)
@@ -105,6 +137,8 @@ class WholeRecord:
         arrays = [part.load() for part in self.parts]
         if len(arrays) == 1:
             return arrays[0]
+        if self.summed:
+            return np.sum(arrays, axis=0)
         total = sum(self.segments)
         pieces = []
         for array in arrays:
@@ -145,6 +179,7 @@ class WholeEntry:
     inputs: list[WholeRecord] = field(default_factory=list)
     outputs: list[WholeRecord] = field(default_factory=list)
     parameters: dict[str, WholeRecord] = field(default_factory=dict)
+    raw_key: str = ""  # the key as msprobe wrote it on the first rank (msprobe's own compare names tensors by it)
 
     @property
     def is_module(self) -> bool:
@@ -178,9 +213,6 @@ def _global_name(name: str, stage: int, layers_per_stage: int) -> str:
 
 def _parameter_partition(side: str, full_name: str, shape: tuple[int, ...], model: ModelConfig):
     """(dim, segments) a parameter is split along over the tensor ranks; dim None when replicated."""
-    from crossalign.sides.megatron.sharding import mindformers_split_dim, partition_of
-    from crossalign.tensorio.errors import CheckpointError
-
     if side == "mindspore":
         return mindformers_split_dim(full_name, shape), (1,)
     try:
@@ -196,18 +228,36 @@ def _join(records: list[TensorRecord], dim: int, segments: tuple[int, ...]) -> W
     return WholeRecord(records[0].dtype, tuple(shape), records, dim, segments)
 
 
-def _merge_activation(records: list[TensorRecord], role: str, weight_split: tuple[int | None, tuple[int, ...]],
-                      sequence_parallel: bool) -> WholeRecord:
+def _merge_activation(records: list[TensorRecord], role: str, name: str, cls: str,
+                      weight_split: tuple[int | None, tuple[int, ...]], sequence_parallel: bool) -> WholeRecord | None:
+    """The whole tensor of one input or output over the tensor ranks; None where its shards cannot be joined into
+    the whole tensor's layout."""
     if len(records) == 1 or _same(records):
         return WholeRecord(records[0].dtype, records[0].shape, [records[0]])
     if any(len(r.shape) != len(records[0].shape) for r in records) or not records[0].shape:
-        raise MsprobeDumpError("tensor ranks hold tensors of different ranks for one record")
+        return None
+    last = len(records[0].shape) - 1
     dim, segments = weight_split
+    if cls == "Conv1d":  # [b, channels, s]: its channels are split as its weight's rows
+        return _join(records, 1, segments) if dim == 0 else None
     if role == "output" and dim == 0:
-        return _join(records, len(records[0].shape) - 1, segments)
+        return _join(records, last, segments)
     if role == "input" and dim == 1:
-        return _join(records, len(records[0].shape) - 1, (1,))
-    return _join(records, 0 if sequence_parallel else len(records[0].shape) - 1, (1,))
+        return _join(records, last, (1,))
+    if _HEAD_SPLIT.search(name):
+        return _join(records, last - 1, (1,))
+    if _TOKEN_HEAD_ROWS.search(name):
+        return None
+    return _join(records, 0 if sequence_parallel else last, (1,))
+
+
+def _own_name(name: str, ep: int, experts_local: int, expert_parallel: int) -> str:
+    """The model's own name: wrappers (Megatron's DDP/Float16Module "module.", MindFormers' "model.") and msprobe's
+    model-chunk index dropped; a routed expert's local number made global at EP > 1."""
+    name = strip_wrapper_prefixes(_CHUNK.sub("", name + "."), DEFAULT_STRIP_PREFIXES)[:-1]
+    if expert_parallel > 1:
+        name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{ep * experts_local + int(m.group(2))}{m.group(3)}", name)
+    return name
 
 
 def merge_side(step: StepDump, layout: SideLayout, model: ModelConfig, side: str) -> WholeDump:
@@ -222,60 +272,91 @@ def merge_side(step: StepDump, layout: SideLayout, model: ModelConfig, side: str
         raise MsprobeDumpError(f"{step.path}: {side} layout {layout} needs rank folders "
                                f"{', '.join(f'rank{r}' for r in missing)} (has {have})")
     layers_per_stage = model.num_layers // layout.pipeline
-    notes: list[str] = []
-    # (global key) -> {rank: raw entry}, in rank 0's order first
-    grouped: dict[str, dict[int, object]] = {}
-    for rank in needed:
-        tp, pp, ep, dp = layout.coordinates(rank)
-        for entry in step.ranks[rank].entries.values():
-            name = _global_name(entry.name, pp, layers_per_stage) if entry.is_module else entry.name
-            key = entry.key if name == entry.name else entry.key.replace(f".{entry.name}.", f".{name}.", 1)
-            if dp != 0 and not _EXPERTS.search(name):
-                continue  # data-parallel replicas of the dense modules ran other samples
-            grouped.setdefault(key, {})[rank] = (entry, name)
-    merged: dict[str, WholeEntry] = {}
     experts_local = (model.num_experts or 0) // max(layout.expert, 1)
+    notes: list[str] = []
+    grouped: dict[str, dict[int, tuple]] = {}  # whole-model key -> {rank: (entry, name)}, in rank 0's order first
+    stage_of: dict[str, int] = {}
+    shared: set[str] = set()
+    for rank in needed:
+        tp, pp, dp = layout.coordinates(rank)
+        etp, ep, edp = layout.expert_coordinates(rank)
+        for entry in step.ranks[rank].entries.values():
+            if entry.is_module:
+                name = _global_name(_own_name(entry.name, ep, experts_local, layout.expert), pp, layers_per_stage)
+                key = f"{entry.kind}.{name}.{entry.cls}.{entry.direction}.{entry.index}" if name else entry.key
+            else:
+                name, key = entry.name, entry.key
+            expert = bool(_EXPERTS.search(name))
+            if (expert and edp != 0) or (not expert and dp != 0):
+                continue  # a data-parallel replica: it ran other samples and holds the same weights
+            if stage_of.setdefault(key, pp) != pp:
+                # the embedding and output layer run on the last stage too, for the MTP block: another call
+                shared.add(name)
+                continue
+            grouped.setdefault(key, {})[rank] = (entry, name)
+    notes += [f"{name}: the calls on the last pipeline stage (the MTP block's) are not compared at PP "
+              f"{layout.pipeline}" for name in sorted(shared)]
+    weights: dict[str, tuple[str, tuple[int, ...]]] = {}  # module -> (its weight, one shard's shape), from forwards
+    for by_rank in grouped.values():
+        entry, name = next(iter(by_rank.values()))
+        weight = next((p for p in ("weight", "weight0") if p in entry.parameters), None)
+        if weight is not None:
+            weights.setdefault(name, (weight, entry.parameters[weight].shape))
+    merged: dict[str, WholeEntry] = {}
     for key, by_rank in grouped.items():
         entry, name = next(iter(by_rank.values()))
-        whole = WholeEntry(key, entry.kind, name, entry.cls, entry.direction, entry.index)
-        is_experts = bool(_EXPERTS.search(name))
-        activation_ranks = [r for r in by_rank if layout.coordinates(r)[3] == 0]
-        if is_experts and layout.expert > 1 and entry.direction != "parameters_grad":
+        whole = WholeEntry(key, entry.kind, name, entry.cls, entry.direction, entry.index, raw_key=entry.key)
+        expert = bool(_EXPERTS.search(name))
+        # shard index of each rank holding this entry: its (expert) tensor rank; expert ranks renumber the experts
+        shard = {r: (layout.expert_coordinates(r)[0] if expert else layout.coordinates(r)[0]) for r in by_rank}
+        ranks = sorted(by_rank, key=lambda r: shard[r])
+        if expert and layout.expert > 1 and entry.direction != "parameters_grad" and len(
+                {layout.expert_coordinates(r)[1] for r in by_rank}) > 1:
             notes.append(f"{key}: routed-expert activations at EP {layout.expert} are not merged (each expert rank "
                          f"holds the tokens routed to its own experts)")
-        elif activation_ranks:
-            records = [by_rank[r][0] for r in sorted(activation_ranks)]
-            weight = next((p for p in ("weight", "weight0") if p in entry.parameters), None)
-            split = (_parameter_partition(side, f"{name}.{weight}", entry.parameters[weight].shape, model)
-                     if weight and layout.tensor > 1 else (None, (1,)))
+        else:
+            records = [by_rank[r][0] for r in ranks]
+            split = (_parameter_partition(side, f"{name}.{weights[name][0]}", weights[name][1], model)
+                     if name in weights and len(records) > 1 else (None, (1,)))
             for role in ("inputs", "outputs"):
                 slots = [getattr(e, role) for e in records]
                 if len({len(s) for s in slots}) != 1:
                     raise MsprobeDumpError(f"{step.path}: {key} has {[len(s) for s in slots]} {role} on its tensor "
                                            f"ranks")
-                setattr(whole, role, [_merge_activation(list(group), role[:-1], split, layout.sequence_parallel)
-                                      for group in zip(*slots)])
-        parameter_ranks = sorted(by_rank)
+                # msprobe's backward record holds the gradient of the outputs as "input" and that of the inputs as
+                # "output": each is split as the tensor it is the gradient of
+                meaning = role[:-1] if entry.direction != "backward" else {"inputs": "output", "outputs": "input"}[role]
+                joined = [_merge_activation(list(group), meaning, name, entry.cls, split, layout.sequence_parallel)
+                          for group in zip(*slots)]
+                if any(j is None for j in joined):
+                    notes.append(f"{key}: {role} not merged over the tensor ranks (their shards do not join into the "
+                                 f"whole tensor's layout)")
+                    joined = []
+                setattr(whole, role, joined)
         params: dict[str, list[tuple[int, TensorRecord]]] = {}
-        for rank in parameter_ranks:
-            tp, _, ep, dp = layout.coordinates(rank)
-            if dp >= layout.expert:
-                continue  # a data-parallel replica: its weights are rank dp % EP's
+        for rank in by_rank:
             for pname, record in by_rank[rank][0].parameters.items():
                 numbered = _EXPERT_PARAMETER.match(pname)
-                if numbered and is_experts and layout.expert > 1:
+                if numbered and expert and layout.expert > 1:
+                    ep = layout.expert_coordinates(rank)[1]
                     pname = f"{numbered.group(1)}{ep * experts_local + int(numbered.group(2))}"
-                elif ep != 0 and not is_experts:
-                    continue
-                params.setdefault(pname, []).append((tp, record))
+                params.setdefault(pname, []).append((shard[rank], record))
         for pname, shards in params.items():
-            shards = sorted(shards, key=lambda item: item[0])
-            records = [record for _, record in shards]
+            records = [record for _, record in sorted(shards, key=lambda item: item[0])]
             if len(records) == 1:
                 whole.parameters[pname] = WholeRecord(records[0].dtype, records[0].shape, records)
                 continue
             dim, segments = _parameter_partition(side, f"{name}.{pname}", records[0].shape, model)
-            whole.parameters[pname] = (WholeRecord(records[0].dtype, records[0].shape, records[:1]) if dim is None
-                                       else _join(records, dim, segments))
+            if dim is not None:
+                whole.parameters[pname] = _join(records, dim, segments)
+            elif entry.direction != "parameters_grad" or not layout.sequence_parallel:
+                whole.parameters[pname] = WholeRecord(records[0].dtype, records[0].shape, records[:1])
+            elif all(r.data_path is not None for r in records):
+                # each tensor rank's gradient of a replicated weight covers its part of the sequence; msprobe records
+                # it before Megatron's all-reduce over the tensor ranks, so the whole gradient is their sum
+                whole.parameters[pname] = WholeRecord(records[0].dtype, records[0].shape, records, summed=True)
+            else:
+                notes.append(f"{name}.{pname}: the gradient of a replicated weight under sequence parallelism is "
+                             f"the sum of the tensor ranks' parts, which statistics cannot form")
         merged[key] = whole
     return WholeDump(str(step.path), step.framework, step.mode, step.step, layout, merged, notes)

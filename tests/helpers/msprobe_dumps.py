@@ -1,39 +1,30 @@
-"""Dumps written by msprobe's own writer (mindstudio-probe 26.2.0) from crossalign's reference models.
+"""Dumps written by msprobe's own writer (mindstudio-probe 26.2.0) from crossalign's embedded models.
 
-The PyTorch side runs crossalign's torch reference model (Megatron's parameter layout), the MindSpore side
-crossalign's MindSpore reference model (MindFormers' parameter layout, PyNative), one forward and backward each under
-msprobe's ``PrecisionDebugger``; nothing here writes the msprobe format itself. On MindSpore's CPU backend msprobe's
-statistics need ``msprobe_norm_on_cpu()`` (``crossalign/sides/mindformers/dump.py`` says what it replaces).
-
-Both sides load the same seeded random MindFormers checkpoint; the PyTorch side loads its conversion (optionally with
-a fault of ``checkpoint/faults.py``, into a (tp, pp, ep) layout) the way Megatron loads it, so a conversion fault
-shows in the PyTorch dump exactly as a real Megatron run would carry it.
+The PyTorch side runs crossalign's torch reference model (Megatron's parameter layout) one training step under
+msprobe's ``PrecisionDebugger``; nothing here writes the msprobe format itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from crossalign.config import ModelConfig
 from crossalign.diagnose.references import Batch
+from crossalign.models.torch_model import Qwen35Model, load_megatron_state
 
 REPO = Path(__file__).resolve().parents[2]
-CHECKPOINT_SEED = 7
-BATCH_SEED = 5
 
 
-def write_msprobe_config(path: Path, dump_path: Path, task: str, level: str, steps: list[int] | None = None) -> Path:
+def write_msprobe_config(path: Path, dump_path: Path, task: str, level: str) -> Path:
     """msprobe's config.json (its schema: msprobe/config.json in the installed package)."""
-    config = {"task": task, "dump_path": str(dump_path), "rank": [], "step": [0] if steps is None else steps,
-              "level": level, "async_dump": False,
+    config = {"task": task, "dump_path": str(dump_path), "rank": [], "step": [0], "level": level,
+              "async_dump": False,
               task: {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"}}
     if task == "md5":
         config = {**config, "task": "statistics",
@@ -43,154 +34,46 @@ def write_msprobe_config(path: Path, dump_path: Path, task: str, level: str, ste
     return path
 
 
-def _torch_step(net, batch: Batch) -> None:
-    _, loss, mtp, aux = net(torch.from_numpy(batch.input_ids), torch.from_numpy(batch.labels),
-                            torch.from_numpy(batch.loss_mask))
-    (loss + mtp.sum() + aux).backward()
-
-
 def torch_dump(model: ModelConfig, state, batch: Batch, out: Path, task: str = "statistics",
-               level: str = "L0", core_version: str = "0.16.1") -> Path:
-    """One forward+backward of the torch reference model under msprobe; returns the dump root (step0/rank/...).
-    ``state``: a Megatron state, loaded as Megatron loads it (what fits; the rest keeps its seeded initial value);
-    None: the model at its seeded initial values."""
-    return torch_dumps([(model, state, batch, core_version)], out, task, level)
-
-
-def torch_dumps(runs: list, out: Path, task: str = "statistics", level: str = "L0") -> Path:
-    """One training step of the torch reference model per (model, Megatron state, batch, core version), dumped as
-    msprobe steps 0, 1, ... of one PrecisionDebugger (one per process:
-    msprobe/core/dump/debugger/precision_debugger.py:27-38)."""
+               level: str = "L0") -> Path:
+    """One forward+backward of the torch reference model under msprobe; returns the dump root (step0/rank/...)."""
     from msprobe.pytorch import PrecisionDebugger  # heavy optional framework, imported only when dumping
 
-    from crossalign.diagnose.references import build_megatron
-    from crossalign.models.torch_model import Qwen35Model
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = write_msprobe_config(out / "config.json", out / "dump", task, level, list(range(len(runs))))
-    debugger = PrecisionDebugger(config_path=str(config))
-    for model, state, batch, core_version in runs:
-        if state is None:
-            torch.manual_seed(0)
-            net = Qwen35Model(model, core_version=core_version)
-        else:
-            net, _ = build_megatron(model, state, core_version, strict=False)
-        net.train()
-        debugger.start(model=net)
-        _torch_step(net, batch)
-        debugger.stop()
-        debugger.step()
+    torch.manual_seed(0)
+    net = Qwen35Model(model)
+    if state is not None:
+        load_megatron_state(net, state)
+    debugger = PrecisionDebugger(config_path=str(write_msprobe_config(out / "config.json", out / "dump", task, level)))
+    debugger.start(model=net)
+    _, loss, mtp, aux = net(torch.from_numpy(batch.input_ids), torch.from_numpy(batch.labels),
+                            torch.from_numpy(batch.loss_mask))
+    (loss + aux).backward()
+    debugger.stop()
+    debugger.step()
     return out / "dump"
-
-
-def mindspore_dumps(runs: list, out: Path, task: str = "statistics", level: str = "L0") -> Path:
-    """One forward+backward (``mindspore.grad`` of the same loss as the PyTorch side) of the MindSpore reference
-    model per (model, MindFormers state, batch) under msprobe, PyNative on CPU, as msprobe steps 0, 1, ..."""
-    import mindspore as ms  # heavy optional framework, imported only when dumping the MindSpore side
-    from msprobe.mindspore import PrecisionDebugger
-
-    from crossalign.models.ms_model import Qwen35Model, load_mindformers_state
-    from crossalign.sides.mindformers.dump import msprobe_norm_on_cpu
-
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    config = write_msprobe_config(out / "config.json", out / "dump", task, level, list(range(len(runs))))
-    debugger = PrecisionDebugger(config_path=str(config))
-    for model, state, batch in runs:
-        net = Qwen35Model(model)
-        load_mindformers_state(net, state)
-        net.set_train(True)
-        ids, labels, mask = ms.Tensor(batch.input_ids), ms.Tensor(batch.labels), ms.Tensor(batch.loss_mask)
-
-        def total_loss(ids, labels, mask, net=net):
-            _, loss, mtp, aux = net(ids, labels, mask)
-            return loss + mtp.sum() + aux
-
-        grad = ms.grad(total_loss, grad_position=None, weights=net.trainable_params())
-        with msprobe_norm_on_cpu():
-            debugger.start(net)
-            grad(ids, labels, mask)
-            debugger.stop()
-            debugger.step()
-    return out / "dump"
-
-
-def _states(config_name: str, fault: str | None, layout: tuple[int, int, int]):
-    """(MindFormers state, Megatron state as Megatron loads it) of the seeded random checkpoint and its conversion."""
-    from crossalign.config import load_config
-    from crossalign.diagnose.ranks import read_as_megatron_loads
-    from crossalign.diagnose.selfcheck import make_checkpoints
-    from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
-
-    config = load_config(config_name)
-    with tempfile.TemporaryDirectory(prefix="msprobe-ckpt-") as tmp:
-        ms_ckpt, mg_ckpt = make_checkpoints(config, Path(tmp), None, fault, CHECKPOINT_SEED, layout)
-        ms_state = read_mindformers_checkpoint(ms_ckpt).model_state()
-        mg_state = read_as_megatron_loads(mg_ckpt, config.model, config.training.megatron_core_version).state
-    return config, ms_state, mg_state
-
-
-def conversions(spec: str) -> tuple[str | None, tuple[int, int, int]]:
-    """``clean``, ``FAULT`` or ``FAULT@tp,pp,ep`` -> (fault or None, the layout it is converted into)."""
-    fault, _, layout = spec.partition("@")
-    return (None if fault == "clean" else fault), tuple(int(n) for n in (layout or "1,1,1").split(","))
-
-
-def run_dumps(side: str, items: list[tuple[str, str]], out: Path, task: str = "statistics", level: str = "L0",
-              seq: int = 8, batch: int = 1) -> dict[tuple[str, str], Path]:
-    """Dumps in one fresh process (msprobe's PrecisionDebugger is a process-wide singleton), one per (config name,
-    conversion spec; see ``conversions``). The MindSpore side runs the MindFormers checkpoint itself, so its only
-    spec is 'clean'; 'initial' is the torch model at its seeded initial values. Returns (config, spec) -> a dump
-    root holding ``step0/`` (msprobe's step i of the process, moved to a folder of its own)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    args = [sys.executable, "-m", "tests.helpers.msprobe_dumps", side, str(out), task, level, str(seq), str(batch),
-            *(f"{name}:{spec}" for name, spec in items)]
-    result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:
-        raise RuntimeError(f"msprobe {side} dumps ({task}, {level}, {items}) failed:\n{result.stderr[-4000:]}")
-    roots = {}
-    for step, (name, spec) in enumerate(items):
-        root = out / name / spec.replace("@", "_at_").replace(",", "_")
-        root.mkdir(parents=True)
-        shutil.move(str(out / "dump" / f"step{step}"), root / "step0")
-        roots[name, spec] = root
-    return roots
 
 
 def torch_dump_subprocess(config_name: str, out: Path, task: str = "statistics", level: str = "L0",
                           seq: int = 8, batch: int = 1) -> Path:
-    """The torch reference model at its seeded initial values (no checkpoint) under msprobe, in its own process."""
-    return run_dumps("pytorch", [(config_name, "initial")], out, task, level, seq, batch)[config_name, "initial"]
-
-
-def main(argv: list[str]) -> None:
-    from crossalign.config import load_config
-    from crossalign.diagnose.references import random_batch
-
-    side, folder, task, level, seq, batch, *items = argv
-    runs = []
-    for item in items:
-        name, _, spec = item.partition(":")
-        config = load_config(name)
-        the_batch = random_batch(config.model, int(seq), int(batch), seed=BATCH_SEED)
-        core_version = config.training.megatron_core_version
-        if side == "mindspore":
-            if spec != "clean":
-                raise SystemExit("the MindSpore side runs the MindFormers checkpoint itself: its only spec is 'clean'")
-            runs.append((config.model, _states(name, None, (1, 1, 1))[1], the_batch))
-        elif spec == "initial":
-            runs.append((config.model, None, the_batch, core_version))
-        else:
-            runs.append((config.model, _states(name, *conversions(spec))[2], the_batch, core_version))
-    if side == "mindspore":
-        mindspore_dumps(runs, Path(folder), task, level)
-    else:
-        torch_dumps(runs, Path(folder), task, level)
+    """``torch_dump`` in a fresh process: msprobe's PrecisionDebugger is a process-wide singleton, so each
+    dump with another task or level needs its own interpreter."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.msprobe_dumps", config_name, str(out), task, level,
+                             str(seq), str(batch)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"msprobe dump of {config_name} ({task}, {level}) failed:\n{result.stderr[-4000:]}")
+    return out / "dump"
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from crossalign.config import load_config
+    from crossalign.diagnose.references import random_batch
+
+    name, folder, task_arg, level_arg, seq_arg, batch_arg = sys.argv[1:7]
+    config = load_config(name)
+    torch_dump(config.model, None, random_batch(config.model, int(seq_arg), int(batch_arg), seed=5),
+               Path(folder), task_arg, level_arg)
