@@ -204,7 +204,8 @@ def test_msprobe_compare_with_the_exported_mappings_finds_the_same_first_diverge
     # the layer mapping pairs the cells crossalign renames (the GDN's linear_proj is Megatron's out_proj)
     assert ("Cell.decoder.layers.0.self_attention.linear_proj.Linear.forward.0.output.0"
             in set(found["-lm"]["NPU Name"]))
-    assert any(b.startswith("Module.decoder.layers.0.self_attention.out_proj.") for b in found["-lm"]["Bench Name"])
+    assert any(b.startswith("Module.module.module.decoder.layers.0.self_attention.out_proj.")
+               for b in found["-lm"]["Bench Name"])
 
 
 # ---- merging rank folders -----------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ def test_shards_of_a_dumped_tensor_merge_back_exactly(dumps, tmp_path):
     merges back bit for bit, and its statistics combine to what msprobe wrote for the whole tensor."""
     model = load_config("qwen35_dense_tiny").model
     entry = read_dump(dumps["qwen35_dense_tiny"]["clean"]).ranks[0].entries[
-        "Module.decoder.layers.0.self_attention.in_proj.LayerNormLinear.forward.0"]
+        "Module.module.module.decoder.layers.0.self_attention.in_proj.LayerNormLinear.forward.0"]
     whole = entry.outputs[0]
     array = whole.load()
     qk, v, nv = model.gdn_key_dim, model.gdn_value_dim, model.linear_num_value_heads
