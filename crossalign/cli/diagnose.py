@@ -34,6 +34,51 @@ def _from_run(run_dir: Path):
     return run.config, ms_ckpt, mg_ckpt, prefix
 
 
+def _run_has_msprobe_dumps(run_dir: Path) -> bool:
+    from crossalign.diagnose.msprobe_run import run_dump_folders
+    from crossalign.store import StoreError
+
+    try:
+        run_dump_folders(Path(run_dir))
+    except (StoreError, OSError):
+        return False
+    return True
+
+
+def _diagnose_msprobe(model: Optional[str], run_dir: Optional[Path], npu_dump: Optional[Path],
+                      gpu_dump: Optional[Path], step: Optional[int], out: Optional[Path], precision: str,
+                      rows: Optional[int]) -> None:
+    """``diagnose --npu-dump --gpu-dump``: the two real runs' msprobe dumps held side by side."""
+    from crossalign.config import ConfigError, load_config
+    from crossalign.diagnose.mapping import MappingError
+    from crossalign.diagnose.msprobe_dump import MsprobeDumpError
+    from crossalign.diagnose.msprobe_report import print_msprobe_diagnosis
+    from crossalign.diagnose.msprobe_run import diagnose_msprobe, run_dump_folders
+    from crossalign.diagnose.references import SideError
+    from crossalign.store import RunStore, StoreError
+
+    with user_errors(ConfigError, MsprobeDumpError, MappingError, SideError, StoreError, OSError):
+        config = load_config(model) if model is not None else None
+        if run_dir is not None:
+            run_dir = Path(run_dir).expanduser().absolute()
+            run_npu, run_gpu = run_dump_folders(run_dir)
+            npu_dump, gpu_dump = npu_dump or run_npu, gpu_dump or run_gpu
+            config = config or RunStore(run_dir.parent).run(run_dir.name).config
+            out = out or run_dir / DIAGNOSE_DIR
+        if precision not in ("auto", "fp32", "bf16"):
+            raise SideError(f"--precision {precision!r}: expected auto, fp32 or bf16")
+        if npu_dump is None or gpu_dump is None:
+            raise SideError("--npu-dump and --gpu-dump go together (or --run of a run whose train steps dumped)")
+        if config is None:
+            raise SideError("--model is required with --npu-dump/--gpu-dump (the layouts and conversion rules)")
+        with console.status("reading, merging and comparing the msprobe dumps"):
+            result = diagnose_msprobe(npu_dump, gpu_dump, config, out or Path(DIAGNOSE_DIR),
+                                      "bf16" if precision == "auto" else precision, step)
+    print_msprobe_diagnosis(result, console, limit=rows)
+    if result.diagnosis.diverged:
+        raise typer.Exit(1)
+
+
 def diagnose_command(
     model: Optional[str] = typer.Option(None, "--model", help="Model config name or YAML path (default with --run: "
                                         "the run's config)."),
@@ -55,8 +100,9 @@ def diagnose_command(
                                                   "(e.g. from a real MindFormers run) instead of running the models."),
     megatron_dump: Optional[Path] = typer.Option(None, "--megatron-dump", help="The Megatron-side dump to compare "
                                                  "with --mindspore-dump."),
-    precision: str = typer.Option("fp32", "--precision", help="Divergence thresholds for dumps given with "
-                                  "--mindspore-dump/--megatron-dump: fp32 (our CPU models) or bf16 (real runs)."),
+    precision: str = typer.Option("auto", "--precision", help="Divergence thresholds for existing dumps: fp32 (our "
+                                  "CPU models) or bf16 (real runs); auto: fp32 for --mindspore-dump/--megatron-dump, "
+                                  "bf16 for msprobe dumps."),
     seq: Optional[int] = typer.Option(None, "--seq", help="Tokens per sample (default: training.seq_length)."),
     batch: Optional[int] = typer.Option(None, "--batch", help="Samples (default: training.micro_batch_size)."),
     data: Optional[Path] = typer.Option(None, "--data", help="Indexed dataset prefix (or its folder): use its first "
@@ -66,14 +112,28 @@ def diagnose_command(
                                  "(exact cosine and errors) or only their statistics."),
     rows: Optional[int] = typer.Option(None, "--rows", help="Print only this many rows past the first divergence "
                                        "(the CSV/HTML always hold all)."),
+    npu_dump: Optional[Path] = typer.Option(None, "--npu-dump", help="msprobe dump of the MindFormers (MindSpore) run: "
+                                            "its dump_path, a step{N} folder or one rank folder."),
+    gpu_dump: Optional[Path] = typer.Option(None, "--gpu-dump", help="msprobe dump of the Megatron (PyTorch) run, "
+                                            "likewise; each side's rank folders are merged by its parallel layout "
+                                            "in the config."),
+    dump_step: Optional[int] = typer.Option(None, "--step", help="The dumped iteration to compare when the msprobe "
+                                            "dumps hold several."),
 ) -> None:
     """Dump every module's output on both sides for the same batch, compare them module by module in forward
     order, write the table as CSV and HTML, and name the first diverging module with its likely cause.
     A sharded Megatron checkpoint is read back rank by rank, as each Megatron rank loads its file; with
     --tp/--pp/--ep and no --converted, the conversion is made here into that layout, as selfcheck makes it.
 
+    With --npu-dump/--gpu-dump (or --run of a run whose train steps dumped with msprobe) it compares the two
+    real runs' msprobe dumps instead: weights through the conversion rules, forward, backward and weight gradients,
+    with msprobe's metrics, and writes msprobe's own layer_mapping.yaml and data_mapping.yaml beside the report.
+
     Exit status 0 when no module diverges and the checkpoint loads strictly, 1 otherwise, 2 for unusable input.
     """
+    if npu_dump is not None or gpu_dump is not None or (run_dir is not None and _run_has_msprobe_dumps(run_dir)):
+        _diagnose_msprobe(model, run_dir, npu_dump, gpu_dump, dump_step, out, precision, rows)
+        return
     from crossalign.tensorio.errors import CheckpointError
     from crossalign.config import ConfigError, load_config
     from crossalign.diagnose.dump import DumpError
@@ -102,7 +162,8 @@ def diagnose_command(
             if fault is not None:
                 raise SideError("--fault applies to a conversion made here, not to existing dumps")
             diagnosis = compare_dump_folders(mindspore_dump, megatron_dump, config.model,
-                                             config.training.megatron_core_version, precision, layout=layout)
+                                             config.training.megatron_core_version,
+                                             "fp32" if precision == "auto" else precision, layout=layout)
             result = write_reports(diagnosis, out, f"crossalign diagnose: {config.model.name}")
         else:
             with console.status("starting") as status:
