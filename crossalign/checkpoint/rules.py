@@ -13,9 +13,11 @@ model config. Hugging Face facts (transformers 5.24 ``models/qwen3_5/modeling_qw
 ``models/qwen3_5_moe/``):
 
 - ``Qwen3_5RMSNorm`` is zero-centred, ``x_hat * (1 + w)`` with w initialised to 0: every
-  input, post-attention, q/k, final and MTP norm. Megatron and MindFormers here use the plain
+  input, post-attention, q/k, final and MTP norm. MindFormers and Megatron here use the plain
   gamma (no ``--apply-layernorm-1p``), so those weights get +1 on import and -1 on export,
   computed in fp32. The GDN gated norm (``linear_attn.norm``) is a plain ``w * x_hat``: a copy.
+  Under ``model.norm_convention: zero_centred`` Megatron stores every gamma as HF's w: the
+  zero-centred norms are copied and the GDN gated norm shifted by -1.
 - ``q_proj`` rows are per head ``[q_h | gate_h]``; Megatron's ``linear_qkv`` is per query group
   ``[q heads | gate heads | k | v]`` (Megatron-Bridge ``QKVMapping`` with attention_output_gate).
 - GDN: ``in_proj_qkv`` ([q|k|v]), ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` stack into Megatron's
@@ -228,20 +230,22 @@ class ZeroCentre(Rule):
 
 @dataclass(frozen=True)
 class ShiftNorm(OneToOne):
-    """A zero-centred Hugging Face norm weight w as a plain gamma 1 + w (fp32), and back."""
+    """A zero-centred Hugging Face norm weight w as a plain gamma w + 1 (fp32), and back; ``by`` -1: the other way."""
+
+    by: int = 1
 
     def forward(self, tensors: Tensors) -> Tensors:
         weight = tensors[0]
-        gamma = weight.to(torch.promote_types(weight.dtype, torch.float32)) + 1
-        lost = int(((gamma - 1).to(weight.dtype) != weight).sum())
+        gamma = weight.to(torch.promote_types(weight.dtype, torch.float32)) + self.by
+        lost = int(((gamma - self.by).to(weight.dtype) != weight).sum())
         if lost:  # HF's forward rounds 1 + w in fp32 the same way: only an export back differs in these bits
-            log.info("%s: %d values too close to 0 for 1 + w to hold them exactly in %s; an export back to "
-                     "Hugging Face will not reproduce their last bits", self.source, lost, gamma.dtype)
+            log.info("%s: %d values too close to 0 for w %+d to hold them exactly in %s; an export back to "
+                     "Hugging Face will not reproduce their last bits", self.source, lost, self.by, gamma.dtype)
         return [gamma]
 
     def inverse(self, tensors: Tensors) -> Tensors:
         gamma = tensors[0]
-        return [gamma.to(torch.promote_types(gamma.dtype, torch.float32)) - 1]
+        return [gamma.to(torch.promote_types(gamma.dtype, torch.float32)) - self.by]
 
 
 @dataclass(frozen=True)
@@ -361,11 +365,6 @@ class PlacedRule:
         return tuple(self.target_prefix + key for key in self.rule.targets)
 
 
-def _norm(source: str, target: str) -> Row:
-    """A norm gamma: plain on MindFormers' side, zero-centred on Hugging Face's."""
-    return Row(Rename(source, target), ShiftNorm(source, target))
-
-
 def global_rows(root: str) -> list[Row]:
     """The embedding, final norm and output layer; ``root`` is the trunk's prefix in the HF checkpoint."""
     return [
@@ -462,10 +461,17 @@ MTP_OWN_ROWS: tuple[Row, ...] = (  # Hugging Face's keys are whole: its MTP bloc
 
 
 def _zero_centred(row: Row) -> Row:
-    """The row under --apply-layernorm-1p: MindFormers' plain norm gammas stored as g - 1 on Megatron's side."""
+    """The row under --apply-layernorm-1p: Megatron stores every norm gamma g as w = g - 1.
+
+    MindFormers' plain gammas are shifted; Hugging Face's zero-centred norms are already in
+    that form (a copy), its plain GDN gated norm is shifted like MindFormers' (in fp32).
+    """
     if not row.mindformers.sources[0].endswith(NORM_SUFFIXES):
         return row
-    return Row(ZeroCentre(row.mindformers), row.hf)
+    assert isinstance(row.hf, (ShiftNorm, Rename)), row.hf
+    shifted = isinstance(row.hf, ShiftNorm)
+    return Row(ZeroCentre(row.mindformers), Rename(row.hf.source, row.hf.target) if shifted
+               else ShiftNorm(row.hf.source, row.hf.target, by=-1))
 
 
 def rule_table(model: ModelConfig, core_version: str = "0.16.1", experts: str = "per_expert",
