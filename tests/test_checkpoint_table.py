@@ -3,14 +3,15 @@
 import pytest
 import torch
 from helpers.hf_tiny import make_hf_checkpoint
+from typer.testing import CliRunner
 
 from crossalign.checkpoint.convert import DIRECTIONS, convert_checkpoint, convert_state
 from crossalign.checkpoint.hf import read_hf_checkpoint
 from crossalign.checkpoint.norms import stored_norm_convention
 from crossalign.checkpoint.rules import Copy, Rename, Row, conversion_plan, rule_table
+from crossalign.cli import app
 from crossalign.config import load_config
 from crossalign.models.layout import megatron_shapes, random_mindformers_state
-from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
 from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
 from crossalign.tensorio.errors import CheckpointError
 
@@ -73,13 +74,20 @@ def test_mg2hf_reads_any_megatron_layout_back_to_the_hugging_face_weights(hf_che
     assert not (tmp_path / "never").exists()
 
 
-def test_mg2hf_of_an_ms2mg_checkpoint_is_ms2hf(tmp_path):
+def test_mg2hf_of_an_ms2mg_checkpoint_is_ms2hf_and_the_cli_runs_it(tmp_path):
     model = CONFIGS["dense"]
     write_mindformers_checkpoint(tmp_path / "ms", 5, random_mindformers_state(model, seed=8), None, default_common(5))
     convert_checkpoint(model, "ms2mg", tmp_path / "ms", tmp_path / "mg", pp=2)
-    report = convert_checkpoint(model, "mg2hf", tmp_path / "mg", tmp_path / "via_mg")
+    result = CliRunner().invoke(app, ["convert", "--model", "qwen35_dense_tiny", "--direction", "mg2hf", "--input",
+                                      str(tmp_path / "mg"), "--output", str(tmp_path / "via_mg")])
+    assert result.exit_code == 0, result.output
+    assert "mg2hf qwen35_dense_tiny" in result.output and "iteration 5" in result.output
     convert_checkpoint(model, "ms2hf", tmp_path / "ms", tmp_path / "direct")
-    assert report.iteration == 5 and _same(_tensors(tmp_path / "via_mg"), _tensors(tmp_path / "direct"))
+    assert _same(_tensors(tmp_path / "via_mg"), _tensors(tmp_path / "direct"))
+    wrong = CliRunner().invoke(app, ["convert", "--model", "qwen35_dense_tiny", "--direction", "mg2mg", "--input",
+                                     str(tmp_path / "mg"), "--output", str(tmp_path / "never")])
+    assert wrong.exit_code == 2 and "is not one of ms2mg, mg2ms, hf2mg, mg2hf, hf2ms, ms2hf" in wrong.output
+    assert not (tmp_path / "never").exists()
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

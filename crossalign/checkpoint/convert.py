@@ -176,7 +176,10 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                               "(mg2ms reads either format)")
     check_output_dir(output_dir)
     start = time.perf_counter()
-    source_format, notes = ckpt_format, []
+    if direction in HF_DIRECTIONS:
+        return _convert_hf(model, direction, input_dir, output_dir, start, core_version=core_version, dtype=dtype,
+                           experts=experts, tp=tp, pp=pp, ep=ep, etp=etp, global_batch_size=global_batch_size,
+                           progress=progress)
     if direction == "ms2mg":
         source = read_mindformers_checkpoint(input_dir)
         entries = source.model_entries()
@@ -185,11 +188,7 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         plan = to_megatron_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, fault,
                                 f"MindFormers checkpoint {source.directory}")
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
-    if direction in HF_DIRECTIONS:
-        iteration, keys_in, keys_out, bytes_in, bytes_out, files, notes, source_format = _convert_hf(
-            model, direction, input_dir, output_dir, core_version=core_version, dtype=dtype, experts=experts, tp=tp,
-            pp=pp, ep=ep, etp=etp, global_batch_size=global_batch_size, progress=progress)
-    elif direction == "ms2mg" and ckpt_format == "torch_dist":
+    if direction == "ms2mg" and ckpt_format == "torch_dist":
         state = run_rules(plan, lambda keys: [cast(source.tensor(key), dtype) for key in keys], keys_in, True, progress)
         check_forward_output({k: tuple(v.shape) for k, v in state.items()}, model, core_version, experts, None)
         keys_out, bytes_out = len(state), nbytes(state.values())
@@ -259,19 +258,22 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
                          seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype,
-                         format=source_format, fault=fault,
+                         format=ckpt_format if direction == "ms2mg" else source_format, fault=fault,
                          output_validated=fault is None, notes=notes)
 
 
-
-def _convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: Path, *, core_version: str,
-                dtype: str, experts: str, tp: int, pp: int, ep: int, etp: int | None,
-                global_batch_size: int | None, progress: Progress | None):
-    """hf2mg, hf2ms, ms2hf and mg2hf between folders, the arguments already checked.
-
-    Returns (iteration, keys in, keys out, bytes in, bytes out, files written, notes, Megatron format).
-    """
+def _convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: Path, start: float, *,
+                core_version: str, dtype: str, experts: str, tp: int, pp: int, ep: int, etp: int | None,
+                global_batch_size: int | None, progress: Progress | None) -> ConvertReport:
+    """hf2mg, hf2ms, ms2hf and mg2hf between folders, the arguments already checked."""
     iteration, notes, source_format = 0, [], "torch"
+
+    def report(keys_in: int, keys_out: int, bytes_in: int, bytes_out: int, files: list[Path]) -> ConvertReport:
+        return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
+                             keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
+                             seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype,
+                             format=source_format, notes=notes)
+
     if direction in ("hf2mg", "hf2ms"):
         source = read_hf_checkpoint(input_dir)
         shapes = {key: info.shape for key, info in source.entries.items()}
@@ -285,8 +287,7 @@ def _convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir:
                 written = stream_megatron_checkpoint(output_dir, iteration, specs,
                                                      rule_outputs(plan, reused_reads(source), keys_in, True, progress),
                                                      model=model, tp=tp, pp=pp, ep=ep, etp=etp)
-            return (iteration, keys_in, keys_out, bytes_in, bytes_out, sorted(written.glob("mp_rank_*/*.pt")), notes,
-                    source_format)
+            return report(keys_in, keys_out, bytes_in, bytes_out, sorted(written.glob("mp_rank_*/*.pt")))
         plan = to_megatron_plan(shapes, model, THROUGH, "stacked", None, what, "hf")
         megatron = run_rules(plan, lambda keys: [source.tensor(key) for key in keys], keys_in, True)
         state = from_megatron(lambda keys: [cast(megatron.pop(key), dtype) for key in keys],
@@ -297,8 +298,7 @@ def _convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir:
         state.update(buffers)
         written = write_mindformers_checkpoint(output_dir, iteration, state, None,
                                                default_common(iteration, global_batch_size))
-        return (iteration, keys_in, keys_out, bytes_in, bytes_out, sorted(written.glob("*.safetensors")), notes,
-                source_format)
+        return report(keys_in, keys_out, bytes_in, bytes_out, sorted(written.glob("*.safetensors")))
     try:
         config = hf_config_from_model(model, "float32")
     except ConfigError as exc:
@@ -320,4 +320,4 @@ def _convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir:
     del converted
     config["dtype"] = CONFIG_DTYPES.get(next(iter(hf_state.values())).dtype, "float32")
     files = write_hf_checkpoint(output_dir, hf_state, config)
-    return iteration, keys_in, len(hf_state), bytes_in, nbytes(hf_state.values()), files, notes, source_format
+    return report(keys_in, len(hf_state), bytes_in, nbytes(hf_state.values()), files)

@@ -112,10 +112,9 @@ def rule_outputs(plan: list[PlacedRule], fetch: Fetch, total_inputs: int, forwar
     done: set[str] = set()
     used = 0
     for placed in plan:
-        if forward:
-            sources, targets = placed.source_keys, placed.target_keys
-        else:
-            sources, targets = placed.target_keys, placed.source_keys
+        sources, targets = placed.source_keys, placed.target_keys
+        if not forward:
+            sources, targets = targets, sources
         inputs = fetch(sources)
         used += len(sources)
         outputs = placed.rule.forward(inputs) if forward else placed.rule.inverse(inputs)
@@ -162,8 +161,9 @@ def graph_expert_layout(model: ModelConfig) -> Callable[[str, tuple[int, ...]], 
     return accepted
 
 
-def side_shapes(model: ModelConfig, side: Side, keys: Shapes | None = None, what: str = "") -> dict[str, tuple[int, ...]]:
-    """The shape table of a side: MindFormers', or Hugging Face's in the root and expert form of ``keys`` (when given)."""
+def side_shapes(model: ModelConfig, side: Side, keys: Shapes | None = None,
+                what: str = "") -> dict[str, tuple[int, ...]]:
+    """A side's shape table: MindFormers', or Hugging Face's in the root and expert form of ``keys`` if given."""
     if side == "mindformers":
         return mindformers_shapes(model)
     if keys is None:
@@ -176,11 +176,8 @@ def to_megatron_plan(shapes: Shapes, model: ModelConfig, core_version: str, expe
     """The rules from a side to Megatron, once the input's keys and shapes are known to match the model."""
     accepted = graph_expert_layout(model) if side == "mindformers" and model.is_moe else lambda key, shape: False
     check_state(shapes, side_shapes(model, side, shapes, what), f"{what} does not match model {model.name}", accepted)
-    if side == "mindformers":
-        plan = conversion_plan(model, core_version, check_expert_form(experts))
-    else:
-        plan = conversion_plan(model, core_version, check_expert_form(experts), "hf", experts_of(shapes),
-                               root_of(shapes, what))
+    hf_form, root = (experts_of(shapes), root_of(shapes, what)) if side == "hf" else ("per_expert", "model.")
+    plan = conversion_plan(model, core_version, check_expert_form(experts), side, hf_form, root)
     if fault is None:
         return plan
     if side != "mindformers":

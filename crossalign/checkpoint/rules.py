@@ -376,7 +376,7 @@ def global_rows(root: str) -> list[Row]:
 
 
 def attention_rows(m: ModelConfig) -> list[Row]:
-    """Full-attention mixer: MindFormers' linear_qkv is already per query group [q, gate, k, v]; TE fuses the input norm."""
+    """Full-attention mixer: MindFormers' linear_qkv is per query group [q, gate, k, v]; TE fuses the input norm."""
     qkv = "self_attention.linear_qkv.weight"
     return [
         Row(Rename("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
@@ -407,7 +407,8 @@ def gdn_rows(m: ModelConfig) -> list[Row]:
                               "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"), in_proj, sizes)),
         Row(Squeeze("self_attention.conv1d.weight", "self_attention.conv1d.weight", dim=2),
             Rename("linear_attn.conv1d.weight", "self_attention.conv1d.weight")),
-        Row(Rename("self_attention.a_log", "self_attention.A_log"), Rename("linear_attn.A_log", "self_attention.A_log")),
+        Row(Rename("self_attention.a_log", "self_attention.A_log"),
+            Rename("linear_attn.A_log", "self_attention.A_log")),
         Row(Copy("self_attention.dt_bias"), Rename("linear_attn.dt_bias", "self_attention.dt_bias")),
         Row(Copy("self_attention.out_norm.weight"),  # a plain gamma on both sides
             Rename("linear_attn.norm.weight", "self_attention.out_norm.weight")),
