@@ -49,13 +49,14 @@ from crossalign.checkpoint.convert_core import (
     run_rules,
     stored_dtype,
     to_megatron_plan,
+    to_mindformers,
 )
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.hf import read_hf_checkpoint, write_hf_checkpoint
+from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint  # mg2hf reads any layout merged
 from crossalign.models.layout import check_expert_form, megatron_shapes
 from crossalign.sides.megatron.checkpoint import (
     open_megatron_stream,
-    read_megatron_checkpoint,
     stream_megatron_checkpoint,
     write_torch_dist_checkpoint,
 )
@@ -244,8 +245,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         loaded = source_mg.state
         keys_in, bytes_in = len(loaded), nbytes(loaded.values())
         shapes = {key: tuple(tensor.shape) for key, tensor in loaded.items()}
-        state = from_megatron(lambda keys: [cast(loaded.pop(key), dtype) for key in keys], shapes,
-                              model, core_version, f"Megatron checkpoint {source_mg.directory}", progress)
+        state = to_mindformers(lambda keys: [cast(loaded.pop(key), dtype) for key in keys], shapes,
+                               model, core_version, f"Megatron checkpoint {source_mg.directory}", progress)
         keys_out, bytes_out = len(state), nbytes(state.values())
         buffers, notes = fresh_buffers(model)
         state.update(buffers)
