@@ -8,13 +8,15 @@ once), the output is checked against the other side's table, and only then writt
 mismatch is a ``CheckpointError`` that names the keys, and nothing is written. A
 fault-injected conversion (``faults.py``) skips the output check on purpose, with a warning.
 
-MindSpore -> Megatron and Hugging Face -> Megatron stream: the output keys are checked and the
-Megatron files laid out from the tables before any tensor is read, then each rule reads its
-inputs into reused buffers and its outputs go straight into their records, cast on the way
-(``torch_file.py``), so memory holds one rule's tensors whatever the model size. Megatron ->
-MindSpore streams the same way from a legacy checkpoint of tensor parallel size 1 (any
-pipeline and expert layout, ``MegatronStream``); a tensor-parallel or torch_dist one is merged
-in memory first, as for mg2hf. hf2ms and ms2hf hold the model once in memory on the way
+MindSpore -> Megatron streams: the output keys are checked and the Megatron files laid out
+from the tables before any tensor is read, then each rule reads its inputs into reused
+buffers and its outputs go straight into their records, cast on the way (``torch_file.py``),
+so memory holds one rule's tensors whatever the model size. Megatron -> MindSpore streams
+the same way from a legacy checkpoint of tensor parallel size 1 (any pipeline and expert
+layout, ``MegatronStream``); a tensor-parallel or torch_dist one is merged in memory first.
+
+Hugging Face -> Megatron streams as MindSpore -> Megatron does; Megatron -> Hugging Face merges
+the Megatron checkpoint in memory; hf2ms and ms2hf hold the model once in memory on the way
 through Megatron's layout.
 """
 
@@ -53,10 +55,10 @@ from crossalign.checkpoint.convert_core import (
 )
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.hf import read_hf_checkpoint, write_hf_checkpoint
-from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint  # mg2hf reads any layout merged
 from crossalign.models.layout import check_expert_form, megatron_shapes
 from crossalign.sides.megatron.checkpoint import (
     open_megatron_stream,
+    read_megatron_checkpoint,
     stream_megatron_checkpoint,
     write_torch_dist_checkpoint,
 )
