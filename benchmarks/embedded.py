@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 trainer, name, workdir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 from crossalign.sides.protocol import DatasetFiles, TrainRequest
-from crossalign.checkpoint.convert_core import mindformers_to_megatron
+from crossalign.checkpoint.convert import mindformers_to_megatron
 from crossalign.models.layout import random_mindformers_state
 from crossalign.config import load_config
 if trainer == "megatron-core":

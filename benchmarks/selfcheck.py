@@ -28,7 +28,7 @@ from crossalign.config import load_config
 config = load_config(name)
 start = time.perf_counter()
 if what == "baseline":
-    from crossalign.checkpoint.convert_core import mindformers_to_megatron
+    from crossalign.checkpoint.convert import mindformers_to_megatron
     from crossalign.models.layout import random_mindformers_state
     from crossalign.diagnose.references import build_megatron, build_mindspore
     state = random_mindformers_state(config.model, seed=1234)

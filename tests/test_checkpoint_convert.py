@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.convert_core import megatron_to_mindformers, mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint, megatron_to_mindformers, mindformers_to_megatron
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.models.layout import megatron_shapes, mindformers_shapes, random_mindformers_state
 from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
@@ -43,8 +42,8 @@ def test_plan_uses_every_key_of_both_tables_exactly_once(name, core):
     model = load_config(name).model
     for experts in ("per_expert", "stacked"):
         plan = conversion_plan(model, core, experts)
-        ms = [k for p in plan for k in p.ms_keys]
-        mg = [k for p in plan for k in p.mg_keys]
+        ms = [k for p in plan for k in p.source_keys]
+        mg = [k for p in plan for k in p.target_keys]
         assert sorted(ms) == sorted(mindformers_shapes(model)) and len(ms) == len(set(ms))
         assert sorted(mg) == sorted(megatron_shapes(model, core, experts)) and len(mg) == len(set(mg))
 

@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.convert_core import mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.models.layout import random_mindformers_state
 from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint, rank_dir_name

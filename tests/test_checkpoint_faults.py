@@ -5,8 +5,7 @@ import logging
 import pytest
 import torch
 
-from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.convert_core import mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS
 from crossalign.models.layout import megatron_shapes, random_mindformers_state

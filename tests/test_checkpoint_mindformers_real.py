@@ -31,8 +31,7 @@ ms = pytest.importorskip("mindspore")
 from mindspore.parallel import Layout  # noqa: E402
 
 from crossalign.checkpoint.cast import cast_bf16  # noqa: E402
-from crossalign.checkpoint.convert import convert_checkpoint  # noqa: E402
-from crossalign.checkpoint.convert_core import mindformers_to_megatron  # noqa: E402
+from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron  # noqa: E402
 from crossalign.tensorio.errors import CheckpointError  # noqa: E402
 from crossalign.models.layout import random_mindformers_state  # noqa: E402
 from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint  # noqa: E402

@@ -12,9 +12,8 @@ import pytest
 import torch
 from helpers.hf_tiny import make_hf_checkpoint
 
-from crossalign.checkpoint.convert_core import megatron_to_mindformers, mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_state
 from crossalign.checkpoint.hf import read_hf_checkpoint
-from crossalign.checkpoint.hf_convert import hf_to_megatron_state, megatron_to_hf_state
 from crossalign.config import load_config
 from crossalign.models.layout import random_mindformers_state
 
@@ -68,15 +67,18 @@ def _outputs(kind: str, tmp_path) -> dict[str, str]:
     out = {}
     for core in ("0.16.1", "0.17.0"):
         for experts in ("per_expert", "stacked"):
-            mg = mindformers_to_megatron(ms, model, core, experts)
+            mg = convert_state(ms, model, "ms2mg", core, experts)
             out[f"ms2mg/{core}/{experts}"] = _digest(mg)
-            out[f"mg2ms/{core}/{experts}"] = _digest(megatron_to_mindformers(mg, model, core))
+            out[f"mg2ms/{core}/{experts}"] = _digest(convert_state(mg, model, "mg2ms", core))
     source = read_hf_checkpoint(make_hf_checkpoint(tmp_path / "hf", kind))
-    hf_mg = hf_to_megatron_state(source, model, "0.16.1", "stacked")
+    hf = {key: source.tensor(key) for key in source.entries}
+    hf_mg = convert_state(hf, model, "hf2mg", "0.16.1", "stacked")
     out["hf2mg/0.16.1/stacked"] = _digest(hf_mg)
-    out["hf2mg/0.17.0/per_expert"] = _digest(hf_to_megatron_state(source, model, "0.17.0", "per_expert"))
-    out["hf2ms"] = _digest(megatron_to_mindformers(hf_mg, model))
-    out["mg2hf"] = _digest(megatron_to_hf_state(mindformers_to_megatron(ms, model, experts="stacked"), model))
+    out["hf2mg/0.17.0/per_expert"] = _digest(convert_state(hf, model, "hf2mg", "0.17.0", "per_expert"))
+    out["hf2ms"] = _digest(convert_state(hf_mg, model, "mg2ms"))
+    assert _digest(convert_state(hf, model, "hf2ms")) == out["hf2ms"]  # the same, through Megatron in one call
+    out["mg2hf"] = _digest(convert_state(convert_state(ms, model, "ms2mg", experts="stacked"), model, "mg2hf"))
+    assert _digest(convert_state(ms, model, "ms2hf")) == out["mg2hf"]
     return out
 
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.convert_core import mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS, LAYOUT_FAULTS, inject_fault
 from crossalign.models.layout import random_mindformers_state

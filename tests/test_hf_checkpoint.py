@@ -9,8 +9,8 @@ from helpers.hf_tiny import make_hf_checkpoint
 
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.tensorio.errors import CheckpointError
-from crossalign.checkpoint.hf import read_hf_checkpoint
-from crossalign.checkpoint.hf_rules import GatedQKV, hf_plan, hf_shapes
+from crossalign.checkpoint.hf import hf_shapes, read_hf_checkpoint
+from crossalign.checkpoint.rules import GatedQKV, conversion_plan
 from crossalign.models.layout import megatron_shapes, random_mindformers_state
 from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
 from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
@@ -51,9 +51,9 @@ def test_hf_rules_use_every_key_once_and_the_model_config_writes_back(kind):
     model = CONFIGS[kind]
     for hf_experts in ("per_expert", "packed"):
         for experts in ("per_expert", "stacked"):
-            plan = hf_plan(model, "0.17.0", experts, hf_experts, "model.language_model.")
-            hf = [k for p in plan for k in p.ms_keys]
-            mg = [k for p in plan for k in p.mg_keys]
+            plan = conversion_plan(model, "0.17.0", experts, "hf", hf_experts, "model.language_model.")
+            hf = [k for p in plan for k in p.source_keys]
+            mg = [k for p in plan for k in p.target_keys]
             assert sorted(hf) == sorted(hf_shapes(model, hf_experts, "model.language_model."))
             assert sorted(mg) == sorted(megatron_shapes(model, "0.17.0", experts)) and len(mg) == len(set(mg))
     written = hf_config_from_model(model, "float32")

@@ -18,7 +18,7 @@ from crossalign.sides.megatron.embedded import mcore_cpu, torch_trainer
 from crossalign.sides.megatron.embedded import trainer as mcore_trainer
 from crossalign.sides.megatron.embedded.mcore_model import (LAUNCHER, McoreLoadError, build_gpt_model, run_selfcheck_forward,
                                                    transformer_config)
-from crossalign.checkpoint.convert_core import mindformers_to_megatron
+from crossalign.checkpoint.convert import mindformers_to_megatron
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS, inject_fault
 from crossalign.models.layout import random_mindformers_state

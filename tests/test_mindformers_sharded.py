@@ -45,8 +45,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.convert_core import mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.models.layout import mindformers_buffers, mindformers_shapes
 from crossalign.sides.mindformers.checkpoint import DEFAULT_PREFIX, METADATA, default_common, read_mindformers_checkpoint, \
@@ -141,13 +140,13 @@ def expected_slice(rule, mg_state: dict, model: ModelConfig, rank: tuple[int, in
                    ms_key: str) -> torch.Tensor:
     """Rank ``rank``'s part of MindFormers tensor ``ms_key`` by crossalign's Megatron sharding: the rank's
     shards of the rule's Megatron tensors (``shard_tensor``), taken back through the rule's inverse."""
-    shards = [shard for key in rule.mg_keys for placed, _, shard in shard_tensor(key, mg_state[key], model, tp, 1, ep)
+    shards = [shard for key in rule.target_keys for placed, _, shard in shard_tensor(key, mg_state[key], model, tp, 1, ep)
               if placed == rank]
     inner = rule.rule
     if isinstance(inner, TransposeExperts):  # the rank's local experts, in their global order
         inner = TransposeExperts(inner.source, inner.target, len(shards), inner.per_expert)
     assert not isinstance(inner, Fuse), "only a GatedDeltaNet in_proj fuses; it is left out"
-    return inner.inverse(shards)[rule.ms_keys.index(ms_key)]
+    return inner.inverse(shards)[rule.source_keys.index(ms_key)]
 
 
 def prepare(name: str, tmp: Path) -> tuple[dict, dict]:
@@ -235,7 +234,7 @@ def test_mindformers_reshards_each_rank_to_crossalign_megatron_slice(loaded):
     slice crossalign's Megatron sharding gives the rank, except the tensors MindFormers keeps whole."""
     model, tmp, weights = loaded["model"], loaded["tmp"], loaded["weights"]
     mg_state = mindformers_to_megatron(weights, model)
-    rules = {key: rule for rule in conversion_plan(model) for key in rule.ms_keys}
+    rules = {key: rule for rule in conversion_plan(model) for key in rule.source_keys}
     full = loaded["checkpoints"][1]
     for label, spec in loaded["layouts"].items():
         alias, size = spec["mesh"]

@@ -6,8 +6,7 @@ import numpy as np
 import torch
 
 from crossalign.preflight.config import preflight_config
-from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.convert_core import megatron_to_mindformers, mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint, megatron_to_mindformers, mindformers_to_megatron
 from crossalign.models.layout import NORM_SUFFIXES, random_mindformers_state
 from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
 from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from crossalign.checkpoint.convert import convert_checkpoint
-from crossalign.checkpoint.convert_core import mindformers_to_megatron
+from crossalign.checkpoint.convert import convert_checkpoint, mindformers_to_megatron
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import FAULTS, inject_fault
 from crossalign.models.layout import random_mindformers_state

@@ -108,7 +108,7 @@ def _load_and_save(rank: int, world: int, folder: str, source: str, checkpoint: 
     """
     from crossalign.sides.megatron.embedded.mcore_cpu import CudaLiteralsToCpu, ProcessGroup, megatron_core_on_cpu
     from crossalign.sides.megatron.embedded.mcore_model import Shard, build_gpt_model, load_converted_state
-    from crossalign.checkpoint.convert_core import mindformers_to_megatron
+    from crossalign.checkpoint.convert import mindformers_to_megatron
     from crossalign.sides.megatron.torch_dist import load_sharded, save_sharded
     from crossalign.config import MegatronParallel
 

@@ -1,12 +1,12 @@
-"""Checkpoint conversion between folders: ``convert_checkpoint``, the entry point of every direction.
+"""The conversion front end: ``convert_checkpoint`` (folders) and ``convert_state`` (in memory), every direction.
 
-This module is the MindSpore (MindFormers) <-> Megatron front end (ms2mg, mg2ms) and hands
-the Hugging Face directions to ``hf_convert.py``; both build on ``convert_core.py``.
-The rules of ``rules.py`` do the work; this module checks the input against the model's
-shape table, runs the rules (each input key exactly once), checks the output against the
-other side's table, and only then writes. Any mismatch is a ``CheckpointError`` that names
-the keys, and nothing is written. A fault-injected conversion (``faults.py``) skips the
-output check on purpose, with a warning.
+Directions: ms2mg, mg2ms (MindSpore / MindFormers <-> Megatron), hf2mg, mg2hf (Hugging Face
+<-> Megatron), hf2ms, ms2hf (through Megatron's layout). Every direction runs one side's column
+of the rule table (``rules.py``) forward or inverse with the machinery of ``convert_core.py``:
+the input is checked against its side's shape table, the rules run (each input key exactly
+once), the output is checked against the other side's table, and only then written. Any
+mismatch is a ``CheckpointError`` that names the keys, and nothing is written. A
+fault-injected conversion (``faults.py``) skips the output check on purpose, with a warning.
 
 MindSpore -> Megatron streams: the output keys are checked and the Megatron files laid out
 from the tables before any tensor is read, then each rule reads its inputs into reused
@@ -14,6 +14,10 @@ buffers and its outputs go straight into their records, cast on the way (``torch
 so memory holds one rule's tensors whatever the model size. Megatron -> MindSpore streams
 the same way from a legacy checkpoint of tensor parallel size 1 (any pipeline and expert
 layout, ``MegatronStream``); a tensor-parallel or torch_dist one is merged in memory first.
+
+Hugging Face -> Megatron streams as MindSpore -> Megatron does; Megatron -> Hugging Face merges
+the Megatron checkpoint in memory; hf2ms and ms2hf hold the model once in memory on the way
+through Megatron's layout.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Literal
+from typing import Iterable, Iterator, Literal, Mapping, get_args
 
 import torch
 
@@ -35,9 +39,10 @@ from crossalign.checkpoint.convert_core import (
     check_forward_output,
     check_state,
     expert_form_of,
-    forward_plan,
     forward_specs,
     fresh_buffers,
+    from_megatron,
+    from_memory,
     inverse_specs,
     left_out_buffers,
     nbytes,
@@ -45,10 +50,11 @@ from crossalign.checkpoint.convert_core import (
     rule_outputs,
     run_rules,
     stored_dtype,
+    to_megatron_plan,
     to_mindformers,
 )
 from crossalign.tensorio.errors import CheckpointError
-from crossalign.checkpoint.hf_convert import HF_DIRECTIONS, convert_hf
+from crossalign.checkpoint.hf import read_hf_checkpoint, write_hf_checkpoint
 from crossalign.models.layout import check_expert_form, megatron_shapes
 from crossalign.sides.megatron.checkpoint import (
     open_megatron_stream,
@@ -65,12 +71,64 @@ from crossalign.sides.mindformers.checkpoint import (
 from crossalign.sides.megatron.sharding import check_parallel_sizes, mindformers_split_dim
 from crossalign.checkpoint.rules import conversion_plan
 from crossalign.tensorio.torch_file import TensorSpec
-from crossalign.config import ModelConfig
+from crossalign.config import ConfigError, ModelConfig
+from crossalign.hf_config import hf_config_from_model
 
 log = logging.getLogger(__name__)
 
-Direction = Literal["ms2mg", "mg2ms", "hf2ms", "hf2mg", "ms2hf"]
+Direction = Literal["ms2mg", "mg2ms", "hf2mg", "mg2hf", "hf2ms", "ms2hf"]
+DIRECTIONS: tuple[str, ...] = get_args(Direction)
+HF_DIRECTIONS = ("hf2mg", "mg2hf", "hf2ms", "ms2hf")
 FORMATS = ("torch", "torch_dist")  # Megatron's --ckpt-format
+THROUGH = "0.16.1"  # the Megatron layout an hf2ms / ms2hf conversion passes through (any version gives the same)
+CONFIG_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise CheckpointError(f"direction {direction!r} is not one of {', '.join(DIRECTIONS)}")
+
+
+def convert_state(state: Mapping[str, torch.Tensor], model: ModelConfig, direction: Direction,
+                  core_version: str = "0.16.1", experts: str = "per_expert",
+                  fault: str | None = None) -> dict[str, torch.Tensor]:
+    """A state dict converted in memory, checked against both sides' tables like a folder conversion.
+
+    ``core_version`` and ``experts`` (Megatron's routed-expert form) shape the Megatron output of
+    ms2mg and hf2mg; a Megatron input of either expert form is read. MindFormers input may hold
+    routed experts in pynative or graph layout; Hugging Face input sits under either root, with
+    per-expert or packed experts; Hugging Face output is the text model of ``save_pretrained``.
+    ``fault`` (ms2mg only) breaks one rule as ``faults.py`` describes and skips the output check.
+    """
+    check_direction(direction)
+    if fault is not None and direction != "ms2mg":
+        raise CheckpointError("fault injection simulates an ms2mg converter: it does not apply to " + direction)
+    if direction == "hf2ms":
+        return convert_state(convert_state(state, model, "hf2mg", THROUGH, "stacked"), model, "mg2ms", THROUGH)
+    if direction == "ms2hf":
+        return convert_state(convert_state(state, model, "ms2mg", THROUGH, "stacked"), model, "mg2hf", THROUGH)
+    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
+    if direction in ("mg2ms", "mg2hf"):
+        side = "mindformers" if direction == "mg2ms" else "hf"
+        return from_megatron(from_memory(state), shapes, model, core_version, "Megatron state", None, side)
+    side, what = ("mindformers", "MindFormers state") if direction == "ms2mg" else ("hf", "Hugging Face state")
+    plan = to_megatron_plan(shapes, model, core_version, experts, fault, what, side)
+    out = run_rules(plan, from_memory(state), len(shapes), True)
+    check_forward_output({key: tuple(tensor.shape) for key, tensor in out.items()}, model, core_version, experts,
+                         fault)
+    return out
+
+
+def mindformers_to_megatron(state: Mapping[str, torch.Tensor], model: ModelConfig, core_version: str = "0.16.1",
+                            experts: str = "per_expert", fault: str | None = None) -> dict[str, torch.Tensor]:
+    """``convert_state`` ms2mg: a MindFormers state dict as a Megatron one (TP=1, PP=1)."""
+    return convert_state(state, model, "ms2mg", core_version, experts, fault)
+
+
+def megatron_to_mindformers(state: Mapping[str, torch.Tensor], model: ModelConfig,
+                            core_version: str = "0.16.1") -> dict[str, torch.Tensor]:
+    """``convert_state`` mg2ms: the exact inverse of ms2mg (either expert form in; pynative expert layout out)."""
+    return convert_state(state, model, "mg2ms", core_version)
 
 
 def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path, output_dir: Path, *,
@@ -78,7 +136,7 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                        tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, fault: str | None = None,
                        global_batch_size: int | None = None, progress: Progress | None = None,
                        ckpt_format: str = "torch") -> ConvertReport:
-    """Convert a checkpoint folder into a new folder (which must not exist or be empty).
+    """Convert a checkpoint folder into a new folder (which must not exist or be empty), in any direction.
 
     ms2mg reads a MindFormers checkpoint (one rank's, or several ranks' slices stitched by
     their metadata.json) tensor by tensor, leaves out its optimizer state and buffers, and
@@ -92,21 +150,24 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     ``ckpt_format`` torch_dist makes ms2mg write Megatron's torch_dist checkpoint instead
     (``torch_dist.py``): one copy of the whole model, resharded by Megatron at load, so it
     takes no tp/pp/ep. mg2ms reads either format.
+    hf2mg reads a Hugging Face folder tensor by tensor and writes Megatron's legacy checkpoint
+    as ms2mg does (iteration 0: nothing trained yet); mg2hf merges a Megatron checkpoint of
+    any layout and writes the Hugging Face text model (config.json from ``model``); hf2ms and
+    ms2hf pass through Megatron's layout in memory. The Hugging Face side holds no iteration.
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
-    if direction in HF_DIRECTIONS:
-        if fault is not None:
-            raise CheckpointError("fault injection simulates an ms2mg converter: it does not apply to " + direction)
-        return convert_hf(model, direction, input_dir, output_dir, core_version=core_version, dtype=dtype,
-                          experts=experts, tp=tp, pp=pp, global_batch_size=global_batch_size, progress=progress)
-    if direction not in ("ms2mg", "mg2ms"):
-        raise CheckpointError(f"direction {direction!r} is not one of ms2mg, mg2ms, hf2ms, hf2mg, ms2hf")
+    check_direction(direction)
+    if fault is not None and direction != "ms2mg":
+        raise CheckpointError("fault injection simulates an ms2mg converter: it does not apply to " + direction)
     check_dtype(dtype)
     check_expert_form(experts)
     check_parallel_sizes(model, tp, pp, ep, etp)
     if direction == "mg2ms" and (pp, ep, etp) != (1, 1, None):
         raise CheckpointError("mg2ms writes the ranks of one tensor-parallel group: --pp, --ep and --etp apply to "
                               "ms2mg only (mg2ms reads any Megatron layout)")
+    if direction in ("mg2hf", "hf2ms", "ms2hf") and (tp, pp, ep, etp) != (1, 1, 1, None):
+        raise CheckpointError(f"{direction} reads or writes a single-rank checkpoint: --tp, --pp, --ep and --etp "
+                              "apply to ms2mg and hf2mg (and --tp to mg2ms)")
     if fault is not None and (direction != "ms2mg" or (tp, pp, ep, etp) != (1, 1, 1, None)):
         raise CheckpointError("fault injection simulates a single-rank ms2mg converter: use it with ms2mg, tp=1, pp=1")
     if ckpt_format not in FORMATS:
@@ -118,13 +179,17 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                               "(mg2ms reads either format)")
     check_output_dir(output_dir)
     start = time.perf_counter()
+    if direction in HF_DIRECTIONS:
+        return _convert_hf(model, direction, input_dir, output_dir, start, core_version=core_version, dtype=dtype,
+                           experts=experts, tp=tp, pp=pp, ep=ep, etp=etp, global_batch_size=global_batch_size,
+                           progress=progress)
     if direction == "ms2mg":
         source = read_mindformers_checkpoint(input_dir)
         entries = source.model_entries()
         iteration = source.iteration or 0
         notes = left_out_buffers(source, model)
-        plan = forward_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, fault,
-                             f"MindFormers checkpoint {source.directory}")
+        plan = to_megatron_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, fault,
+                                f"MindFormers checkpoint {source.directory}")
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
     if direction == "ms2mg" and ckpt_format == "torch_dist":
         state = run_rules(plan, lambda keys: [cast(source.tensor(key), dtype) for key in keys], keys_in, True, progress)
@@ -199,3 +264,63 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                          format=ckpt_format if direction == "ms2mg" else source_format, fault=fault,
                          output_validated=fault is None, notes=notes)
 
+
+def _convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: Path, start: float, *,
+                core_version: str, dtype: str, experts: str, tp: int, pp: int, ep: int, etp: int | None,
+                global_batch_size: int | None, progress: Progress | None) -> ConvertReport:
+    """hf2mg, hf2ms, ms2hf and mg2hf between folders, the arguments already checked."""
+    iteration, notes, source_format = 0, [], "torch"
+
+    def report(keys_in: int, keys_out: int, bytes_in: int, bytes_out: int, files: list[Path]) -> ConvertReport:
+        return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
+                             keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
+                             seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype,
+                             format=source_format, notes=notes)
+
+    if direction in ("hf2mg", "hf2ms"):
+        source = read_hf_checkpoint(input_dir)
+        shapes = {key: info.shape for key, info in source.entries.items()}
+        keys_in, bytes_in = len(shapes), sum(info.nbytes for info in source.entries.values())
+        what = f"Hugging Face checkpoint {source.directory}"
+        if direction == "hf2mg":
+            plan = to_megatron_plan(shapes, model, core_version, experts, None, what, "hf")
+            specs = forward_specs(plan, source.entries, model, core_version, experts, dtype)
+            keys_out, bytes_out = len(specs), sum(spec.nbytes for spec in specs.values())
+            with one_thread():
+                written = stream_megatron_checkpoint(output_dir, iteration, specs,
+                                                     rule_outputs(plan, reused_reads(source), keys_in, True, progress),
+                                                     model=model, tp=tp, pp=pp, ep=ep, etp=etp)
+            return report(keys_in, keys_out, bytes_in, bytes_out, sorted(written.glob("mp_rank_*/*.pt")))
+        plan = to_megatron_plan(shapes, model, THROUGH, "stacked", None, what, "hf")
+        megatron = run_rules(plan, lambda keys: [source.tensor(key) for key in keys], keys_in, True)
+        state = from_megatron(lambda keys: [cast(megatron.pop(key), dtype) for key in keys],
+                              {key: tuple(t.shape) for key, t in megatron.items()}, model, THROUGH,
+                              f"Megatron form of {source.directory}", progress)
+        keys_out, bytes_out = len(state), nbytes(state.values())
+        buffers, notes = fresh_buffers(model)  # as MindFormers' MoE layer saves them
+        state.update(buffers)
+        written = write_mindformers_checkpoint(output_dir, iteration, state, None,
+                                               default_common(iteration, global_batch_size))
+        return report(keys_in, keys_out, bytes_in, bytes_out, sorted(written.glob("*.safetensors")))
+    try:
+        config = hf_config_from_model(model, "float32")
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    if direction == "ms2hf":
+        source_ms = read_mindformers_checkpoint(input_dir)
+        notes = left_out_buffers(source_ms, model)
+        loaded = source_ms.model_state()
+        iteration = source_ms.iteration or 0
+        converted = convert_state(loaded, model, "ms2hf")
+    else:
+        source_mg = read_megatron_checkpoint(input_dir, model, core_version)
+        loaded, iteration, source_format = source_mg.state, source_mg.iteration, source_mg.format
+        converted = from_megatron(from_memory(loaded), {key: tuple(t.shape) for key, t in loaded.items()}, model,
+                                  core_version, f"Megatron checkpoint {source_mg.directory}", progress, "hf")
+    keys_in, bytes_in = len(loaded), nbytes(loaded.values())
+    del loaded
+    hf_state = {key: cast(tensor, dtype) for key, tensor in converted.items()}
+    del converted
+    config["dtype"] = CONFIG_DTYPES.get(next(iter(hf_state.values())).dtype, "float32")
+    files = write_hf_checkpoint(output_dir, hf_state, config)
+    return report(keys_in, len(hf_state), bytes_in, nbytes(hf_state.values()), files)

@@ -1,13 +1,11 @@
-"""The machinery every checkpoint conversion shares: rules run, outputs checked, tensors cast.
+"""The machinery every checkpoint conversion shares: rules run, inputs and outputs checked, tensors cast.
 
-The two front ends build on it: ``convert.py`` (MindSpore <-> Megatron files, and the
-``convert_checkpoint`` entry point for every direction) and ``hf_convert.py`` (Hugging Face
-files). Nothing here reads or writes a checkpoint folder: a conversion is a plan of rules
-(``rules.py``, ``hf_rules.py``), a ``Fetch`` that hands over each rule's inputs, and a consumer
-of the outputs (a dict in memory, or a file writer that streams them).
-
-The in-memory MindSpore <-> Megatron conversions (``mindformers_to_megatron`` and its inverse)
-live here too: the Hugging Face directions pass through Megatron's layout with them.
+The front end (``convert.py``: ``convert_checkpoint`` for folders, ``convert_state`` in memory)
+builds on it. Nothing here reads or writes a checkpoint folder: a conversion is a plan of rules
+(one side's column of the table in ``rules.py``), a ``Fetch`` that hands over each rule's
+inputs, and a consumer of the outputs (a dict in memory, or a file writer that streams them).
+Every plan maps a side (MindFormers or Hugging Face) to Megatron: ``to_megatron_plan`` checks
+the side's input and gives the plan run forward, ``from_megatron`` runs a plan inverse.
 """
 
 from __future__ import annotations
@@ -23,10 +21,11 @@ import torch
 from crossalign.tensorio.blocks import ReusedBuffer
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.faults import inject_fault
+from crossalign.checkpoint.hf import experts_of, hf_shapes, root_of
 from crossalign.models.layout import check_expert_form, megatron_shapes, mindformers_buffers, mindformers_shapes
 from crossalign.sides.mindformers.checkpoint import MindFormersCheckpoint
 from crossalign.tensorio.mismatch import key_mismatches
-from crossalign.checkpoint.rules import PlacedRule, conversion_plan
+from crossalign.checkpoint.rules import PlacedRule, Side, conversion_plan
 from crossalign.tensorio.safetensors_io import DTYPES as STORED_DTYPES
 from crossalign.tensorio.safetensors_io import TensorInfo
 from crossalign.tensorio.torch_file import TensorSpec
@@ -105,11 +104,17 @@ def reused_reads(source) -> Fetch:
 
 def rule_outputs(plan: list[PlacedRule], fetch: Fetch, total_inputs: int, forward: bool,
                  progress: Progress | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Apply every placed rule once, yielding its outputs as they come; each input key is fetched exactly once."""
+    """Apply every placed rule once, yielding its outputs as they come; each input key is fetched exactly once.
+
+    ``forward`` runs each rule from its source keys (a side's) to its target keys (Megatron's),
+    otherwise from the target keys back to the source keys.
+    """
     done: set[str] = set()
     used = 0
     for placed in plan:
-        sources, targets = (placed.ms_keys, placed.mg_keys) if forward else (placed.mg_keys, placed.ms_keys)
+        sources, targets = placed.source_keys, placed.target_keys
+        if not forward:
+            sources, targets = targets, sources
         inputs = fetch(sources)
         used += len(sources)
         outputs = placed.rule.forward(inputs) if forward else placed.rule.inverse(inputs)
@@ -144,7 +149,7 @@ def cast(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     return tensor.to(stored_dtype(tensor.dtype, dtype))
 
 
-# ---- MindSpore -> Megatron --------------------------------------------------------------------------
+# ---- a side -> Megatron ------------------------------------------------------------------------------
 
 def graph_expert_layout(model: ModelConfig) -> Callable[[str, tuple[int, ...]], bool]:
     """MindFormers graph mode stores routed experts flattened: [E*H, 2i] / [E*i, H]."""
@@ -156,13 +161,28 @@ def graph_expert_layout(model: ModelConfig) -> Callable[[str, tuple[int, ...]], 
     return accepted
 
 
-def forward_plan(shapes: Shapes, model: ModelConfig, core_version: str, experts: str, fault: str | None,
-                 what: str) -> list[PlacedRule]:
-    """The MindSpore -> Megatron rules, once the input's keys and shapes are known to match the model."""
-    check_state(shapes, mindformers_shapes(model), f"{what} does not match model {model.name}",
-                graph_expert_layout(model) if model.is_moe else lambda key, shape: False)
-    plan = conversion_plan(model, core_version, check_expert_form(experts))
-    return plan if fault is None else inject_fault(plan, fault, model, core_version)
+def side_shapes(model: ModelConfig, side: Side, keys: Shapes | None = None,
+                what: str = "") -> dict[str, tuple[int, ...]]:
+    """A side's shape table: MindFormers', or Hugging Face's in the root and expert form of ``keys`` if given."""
+    if side == "mindformers":
+        return mindformers_shapes(model)
+    if keys is None:
+        return hf_shapes(model)
+    return hf_shapes(model, experts_of(keys), root_of(keys, what))
+
+
+def to_megatron_plan(shapes: Shapes, model: ModelConfig, core_version: str, experts: str, fault: str | None,
+                     what: str, side: Side = "mindformers") -> list[PlacedRule]:
+    """The rules from a side to Megatron, once the input's keys and shapes are known to match the model."""
+    accepted = graph_expert_layout(model) if side == "mindformers" and model.is_moe else lambda key, shape: False
+    check_state(shapes, side_shapes(model, side, shapes, what), f"{what} does not match model {model.name}", accepted)
+    hf_form, root = (experts_of(shapes), root_of(shapes, what)) if side == "hf" else ("per_expert", "model.")
+    plan = conversion_plan(model, core_version, check_expert_form(experts), side, hf_form, root)
+    if fault is None:
+        return plan
+    if side != "mindformers":
+        raise CheckpointError("fault injection simulates an ms2mg converter: it does not apply to a Hugging Face input")
+    return inject_fault(plan, fault, model, core_version)
 
 
 def check_forward_output(shapes: Shapes, model: ModelConfig, core_version: str, experts: str,
@@ -185,45 +205,46 @@ def forward_specs(plan: list[PlacedRule], entries: Mapping[str, TensorInfo], mod
     as casting first at a fraction of the memory.
     """
     table = megatron_shapes(model, core_version, experts)
-    keys = [key for placed in plan for key in placed.mg_keys]
+    keys = [key for placed in plan for key in placed.target_keys]
     only_keys = {key: table[key] if key in table else () for key in keys}  # the shapes are the table's by design
     check_state(only_keys, table, f"Megatron output for model {model.name} (core {core_version})")
     specs = {}
     for placed in plan:
-        source = functools.reduce(torch.promote_types, (STORED_DTYPES[entries[key].dtype] for key in placed.ms_keys))
-        for key in placed.mg_keys:
+        source = functools.reduce(torch.promote_types,
+                                  (STORED_DTYPES[entries[key].dtype] for key in placed.source_keys))
+        for key in placed.target_keys:
             specs[key] = TensorSpec(table[key], stored_dtype(source, dtype))
     return specs
 
 
-def mindformers_to_megatron(state: Mapping[str, torch.Tensor], model: ModelConfig, core_version: str = "0.16.1",
-                            experts: str = "per_expert", fault: str | None = None) -> dict[str, torch.Tensor]:
-    """A MindFormers state dict (pynative or graph expert layout) as a Megatron state dict (TP=1, PP=1)."""
-    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
-    plan = forward_plan(shapes, model, core_version, experts, fault, "MindFormers state")
-    out = run_rules(plan, from_memory(state), len(shapes), True)
-    check_forward_output({key: tuple(tensor.shape) for key, tensor in out.items()}, model, core_version, experts,
-                         fault)
-    return out
-
-
-# ---- Megatron -> MindSpore --------------------------------------------------------------------------
+# ---- Megatron -> a side ------------------------------------------------------------------------------
 
 def expert_form_of(keys) -> str:
     """Megatron's routed experts as one tensor per expert (TE grouped experts) or one stacked tensor."""
     return "per_expert" if any(key.endswith("mlp.experts.linear_fc1.weight0") for key in keys) else "stacked"
 
 
-def to_mindformers(fetch: Fetch, shapes: Shapes, model: ModelConfig, core_version: str,
-                   what: str, progress: Progress | None) -> dict[str, torch.Tensor]:
-    """A Megatron model (its keys and shapes, each tensor fetched once) as a checked MindFormers state dict."""
+def from_megatron(fetch: Fetch, shapes: Shapes, model: ModelConfig, core_version: str, what: str,
+                  progress: Progress | None, side: Side = "mindformers") -> dict[str, torch.Tensor]:
+    """A Megatron model (its keys and shapes, each tensor fetched once) as a checked state dict of ``side``.
+
+    MindFormers' output comes in the rules' order, Hugging Face's in its table's (the text model
+    under ``model.``, one tensor per routed expert), as ``save_pretrained`` orders it.
+    """
     experts = expert_form_of(shapes)
     check_state(shapes, megatron_shapes(model, core_version, experts),
                 f"{what} does not match model {model.name} (core {core_version}, {experts} experts)")
-    out = run_rules(conversion_plan(model, core_version, experts), fetch, len(shapes), False, progress)
-    check_state({k: tuple(v.shape) for k, v in out.items()}, mindformers_shapes(model),
-                f"MindFormers output for model {model.name}")
-    return out
+    out = run_rules(conversion_plan(model, core_version, experts, side), fetch, len(shapes), False, progress)
+    table = side_shapes(model, side)
+    name = "MindFormers" if side == "mindformers" else "Hugging Face"
+    check_state({k: tuple(v.shape) for k, v in out.items()}, table, f"{name} output for model {model.name}")
+    return out if side == "mindformers" else {key: out[key] for key in table}
+
+
+def to_mindformers(fetch: Fetch, shapes: Shapes, model: ModelConfig, core_version: str,
+                   what: str, progress: Progress | None) -> dict[str, torch.Tensor]:
+    """``from_megatron`` to MindFormers: a Megatron model as a checked MindFormers state dict."""
+    return from_megatron(fetch, shapes, model, core_version, what, progress)
 
 
 def inverse_specs(plan: list[PlacedRule], dtypes: Mapping[str, torch.dtype], model: ModelConfig,
@@ -234,22 +255,15 @@ def inverse_specs(plan: list[PlacedRule], dtypes: Mapping[str, torch.dtype], mod
     anything is written, the shapes are the table's, and a rule's output has its inputs' dtype.
     """
     table = mindformers_shapes(model)
-    keys = [key for placed in plan for key in placed.ms_keys]
+    keys = [key for placed in plan for key in placed.source_keys]
     check_state({key: table[key] if key in table else () for key in keys}, table,
                 f"MindFormers output for model {model.name}")
     specs = {}
     for placed in plan:
-        source = functools.reduce(torch.promote_types, (dtypes[key] for key in placed.mg_keys))
-        for key in placed.ms_keys:
+        source = functools.reduce(torch.promote_types, (dtypes[key] for key in placed.target_keys))
+        for key in placed.source_keys:
             specs[key] = TensorSpec(table[key], stored_dtype(source, dtype))
     return specs
-
-
-def megatron_to_mindformers(state: Mapping[str, torch.Tensor], model: ModelConfig,
-                            core_version: str = "0.16.1") -> dict[str, torch.Tensor]:
-    """The exact inverse of mindformers_to_megatron (either expert form in; pynative expert layout out)."""
-    shapes = {key: tuple(tensor.shape) for key, tensor in state.items()}
-    return to_mindformers(from_memory(state), shapes, model, core_version, "Megatron state", None)
 
 
 # ---- MindFormers buffers (mlp.tokens_per_expert) ----------------------------------------------------

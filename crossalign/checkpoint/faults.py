@@ -8,7 +8,7 @@ reads the same inputs as the correct one; only its outputs (values or names) are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -41,12 +41,12 @@ class Faulty(Rule):
     names: tuple[str, ...] | None = None
 
     @property
-    def ms(self) -> tuple[str, ...]:
-        return self.correct.ms
+    def sources(self) -> tuple[str, ...]:
+        return self.correct.sources
 
     @property
-    def mg(self) -> tuple[str, ...]:
-        return self.names or self.correct.mg
+    def targets(self) -> tuple[str, ...]:
+        return self.names or self.correct.targets
 
     def forward(self, tensors: Tensors) -> Tensors:
         return self.broken(tensors)
@@ -72,7 +72,7 @@ def _break(rule: Rule, fault: str, model: ModelConfig) -> Rule | None:
         return Faulty(rule, lambda tensors: [tensors[0]])
     if fault == "dense_fc1_not_deinterleaved" and isinstance(rule, Deinterleave) and "shared_experts" not in rule.source:
         return Faulty(rule, lambda tensors: [tensors[0]])
-    if fault == "in_proj_wrong_order" and rule.mg == ("self_attention.in_proj.weight",):
+    if fault == "in_proj_wrong_order" and rule.targets == ("self_attention.in_proj.weight",):
         if isinstance(rule, Fuse):  # parts qkv, z, beta, alpha
             return Faulty(rule, lambda t: [torch.cat((t[0], t[1], t[3], t[2]), dim=0)])
         heads = model.linear_num_value_heads
@@ -101,12 +101,12 @@ def inject_fault(plan: list[PlacedRule], fault: str, model: ModelConfig, core_ve
     if fault == "wrong_mtp_prefix":
         right = f".{mtp_layer_prefix(core_version)}."
         wrong = ".mtp_model_layer." if right == ".transformer_layer." else ".transformer_layer."
-        faulty = [PlacedRule(p.rule, p.ms_prefix, p.mg_prefix.replace(right, wrong)) for p in plan]
+        faulty = [replace(p, target_prefix=p.target_prefix.replace(right, wrong)) for p in plan]
     else:
         faulty = []
         for placed in plan:
             broken = _break(placed.rule, fault, model)
-            faulty.append(placed if broken is None else PlacedRule(broken, placed.ms_prefix, placed.mg_prefix))
+            faulty.append(placed if broken is None else replace(placed, rule=broken))
     if faulty == plan:
         raise CheckpointError(f"fault {fault!r} does not apply to model {model.name} "
                               f"({model.kind}, {model.mtp_num_layers} MTP layers): it breaks no rule of it")

@@ -62,7 +62,7 @@ def cast_bf16_command(
 def convert_command(
     model: str = typer.Option(..., "--model", help="Model config name or YAML path."),
     direction: str = typer.Option(..., "--direction", help="ms2mg (MindFormers -> Megatron), mg2ms, hf2ms "
-                                  "(Hugging Face -> MindFormers), hf2mg or ms2hf."),
+                                  "(Hugging Face -> MindFormers), hf2mg, ms2hf or mg2hf."),
     input_dir: Path = typer.Option(..., "--input", help="Checkpoint folder to read (a Hugging Face one: config.json "
                                    "and model.safetensors or its shards with model.safetensors.index.json)."),
     output_dir: Path = typer.Option(..., "--output", help="New (or empty) folder to write."),
@@ -71,17 +71,17 @@ def convert_command(
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 (as the source converter), bf16, or keep."),
     experts: str = typer.Option("per-expert", "--experts", help="per-expert (TE grouped linear_fc1.weight0..N, "
                                 "loads strictly) or stacked (one [E, 2i, H] tensor)."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks of the output: Megatron's (ms2mg), or "
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks of the output: Megatron's (ms2mg, hf2mg), or "
                            "MindFormers rank files with metadata.json (mg2ms)."),
-    pp: int = typer.Option(1, "--pp", help="Pipeline stages of the Megatron output (ms2mg)."),
-    ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks of the Megatron output (ms2mg): each holds "
+    pp: int = typer.Option(1, "--pp", help="Pipeline stages of the Megatron output (ms2mg, hf2mg)."),
+    ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks of the Megatron output (ms2mg, hf2mg): each holds "
                            "num_experts/ep routed experts, numbered locally, in mp_rank_TT[_PPP]_EEE."),
     etp: Optional[int] = typer.Option(None, "--etp", help="Expert tensor-parallel size of the Megatron output "
-                                      "(ms2mg; default: --tp, as Megatron defaults it; must divide --tp)."),
+                                      "(ms2mg, hf2mg; default: --tp, as Megatron defaults it; must divide --tp)."),
     ckpt_format: str = typer.Option("torch", "--format", help="Megatron checkpoint format written by ms2mg: torch "
                                     "(legacy mp_rank_* files at --tp/--pp/--ep) or torch_dist (Megatron's default "
                                     "--ckpt-format, resharded by Megatron at load; written by megatron-core). "
-                                    "mg2ms reads either."),
+                                    "mg2ms and mg2hf read either."),
     fault: Optional[str] = typer.Option(None, "--fault", help="Inject a known conversion bug (self-check only); "
                                         "the output is then written without validation."),
 ) -> None:

@@ -45,7 +45,7 @@ def _mtp_module(lm: Any, state: dict[str, Any]) -> Any:
     import torch
     from torch import nn
 
-    from crossalign.checkpoint.hf_rules import Experts
+    from crossalign.checkpoint.rules import Experts
 
     config = lm.config
     modeling = inspect.getmodule(type(lm))
@@ -63,7 +63,7 @@ def _mtp_module(lm: Any, state: dict[str, Any]) -> Any:
         # released per-expert tensors, packed as transformers' module holds them ([E, 2i, H] = [gate; up] per expert)
         for which, packed in (("fc1", "gate_up_proj"), ("fc2", "down_proj")):
             rule = Experts(which, config.num_experts, "per_expert", False)
-            parts = [weights.pop(f"layers.0.{key}") for key in rule.ms]
+            parts = [weights.pop(f"layers.0.{key}") for key in rule.sources]
             weights[f"layers.0.mlp.experts.{packed}"] = rule.forward(parts)[0]
     try:
         mtp.load_state_dict(weights, strict=True)

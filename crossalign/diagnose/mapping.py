@@ -141,12 +141,12 @@ def module_mapping(model: ModelConfig, core_version: str = "0.16.1") -> ModuleMa
     from crossalign.checkpoint.rules import conversion_plan
 
     plan = conversion_plan(model, core_version, "per_expert")
-    mapping = module_mapping_from_rules((placed.ms_keys, placed.mg_keys) for placed in plan)
+    mapping = module_mapping_from_rules((placed.source_keys, placed.target_keys) for placed in plan)
     shapes = mindformers_shapes(model)
     for placed in plan:
-        if len(placed.ms_keys) != 1 or len(placed.mg_keys) != 1:
+        if len(placed.source_keys) != 1 or len(placed.target_keys) != 1:
             continue
-        (ms_key,), (mg_key,) = placed.ms_keys, placed.mg_keys
+        (ms_key,), (mg_key,) = placed.source_keys, placed.target_keys
         ms_module = module_of(ms_key)
         if mapping.pairs.get(ms_module) != module_of(mg_key) or len(shapes[ms_key]) != 2:
             continue
