@@ -12,8 +12,9 @@ MindSpore -> Megatron streams: the output keys are checked and the Megatron file
 from the tables before any tensor is read, then each rule reads its inputs into reused
 buffers and its outputs go straight into their records, cast on the way (``torch_file.py``),
 so memory holds one rule's tensors whatever the model size. Megatron -> MindSpore streams
-the same way from a legacy checkpoint of tensor parallel size 1 (any pipeline and expert
-layout, ``MegatronStream``); a tensor-parallel or torch_dist one is merged in memory first.
+the same way from a checkpoint of any layout, legacy or torch_dist: ``open_megatron`` reads one
+full tensor at a time by the merge path both directions share (``sides/megatron/merge.py``).
+Only a MindFormers output saved as several ranks (``--tp`` of mg2ms) is gathered in memory.
 """
 
 from __future__ import annotations
@@ -51,8 +52,7 @@ from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.hf_convert import HF_DIRECTIONS, convert_hf
 from crossalign.models.layout import check_expert_form, megatron_shapes
 from crossalign.sides.megatron.checkpoint import (
-    open_megatron_stream,
-    read_megatron_checkpoint,
+    open_megatron,
     stream_megatron_checkpoint,
     write_torch_dist_checkpoint,
 )
@@ -148,50 +148,40 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
             written = stream_megatron_checkpoint(output_dir, iteration, specs, tensors, model=model, tp=tp, pp=pp,
                                                  ep=ep, etp=etp)
         files = sorted(written.glob("mp_rank_*/*.pt"))
-    elif tp == 1 and (stream := open_megatron_stream(input_dir, model)) is not None:
-        # Each rule's inputs read into reused buffers and its outputs written as they come; what
-        # several ranks hold is checked against its replicas meanwhile, before the output is kept.
-        shapes = stream.shapes
-        experts_in = expert_form_of(shapes)
-        check_state(shapes, megatron_shapes(model, core_version, experts_in), f"Megatron checkpoint "
-                    f"{stream.directory} does not match model {model.name} (core {core_version}, {experts_in} experts)")
-        plan = conversion_plan(model, core_version, experts_in)
-        buffers, notes = fresh_buffers(model)
-        specs = inverse_specs(plan, stream.dtypes, model, dtype)
-        keys_in, keys_out = len(shapes), len(specs)
-        bytes_in, bytes_out = stream.nbytes, sum(spec.nbytes for spec in specs.values())
-        specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
-        iteration, source_format = stream.iteration, stream.format
-        read = reused_reads(stream)
-
-        def outputs() -> Iterator[tuple[str, torch.Tensor]]:
-            # cast as read, as the merged path below casts before the rules
-            yield from rule_outputs(plan, lambda keys: [cast(tensor, dtype) for tensor in read(keys)], keys_in,
-                                    False, progress)
-            yield from buffers.items()
-            stream.check_replicas()  # before the writer keeps the folder
-
-        with stream, one_thread():
-            written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(),
-                                                    default_common(iteration, global_batch_size))
-        files = sorted(written.glob("*.safetensors"))
     else:
-        source_mg = read_megatron_checkpoint(input_dir, model, core_version)
-        source_format = source_mg.format
-        iteration = source_mg.iteration
-        loaded = source_mg.state
-        keys_in, bytes_in = len(loaded), nbytes(loaded.values())
-        shapes = {key: tuple(tensor.shape) for key, tensor in loaded.items()}
-        state = to_mindformers(lambda keys: [cast(loaded.pop(key), dtype) for key in keys], shapes,
-                               model, core_version, f"Megatron checkpoint {source_mg.directory}", progress)
-        keys_out, bytes_out = len(state), nbytes(state.values())
-        buffers, notes = fresh_buffers(model)
-        state.update(buffers)
-        if progress:
-            progress(keys_in, keys_in, "writing the MindFormers files")
-        written = write_mindformers_checkpoint(output_dir, iteration, state, None,
-                                               default_common(iteration, global_batch_size),
-                                               world=tp, split_dim=mindformers_split_dim)
+        # Any layout, legacy or torch_dist, read a full tensor at a time by the one merge path; what several
+        # ranks hold is checked against its copies meanwhile, before the output is kept.
+        with open_megatron(input_dir, model, core_version) as stream, one_thread():
+            shapes = stream.shapes
+            experts_in = expert_form_of(shapes)
+            check_state(shapes, megatron_shapes(model, core_version, experts_in), f"Megatron checkpoint "
+                        f"{stream.directory} does not match model {model.name} (core {core_version}, {experts_in} "
+                        "experts)")
+            plan = conversion_plan(model, core_version, experts_in)
+            buffers, notes = fresh_buffers(model)
+            specs = inverse_specs(plan, stream.dtypes, model, dtype)
+            keys_in, keys_out = len(shapes), len(specs)
+            bytes_in, bytes_out = stream.nbytes, sum(spec.nbytes for spec in specs.values())
+            iteration, source_format = stream.iteration, stream.format
+            read = reused_reads(stream)
+            common = default_common(iteration, global_batch_size)
+            if tp == 1:
+                specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
+
+                def outputs() -> Iterator[tuple[str, torch.Tensor]]:
+                    yield from rule_outputs(plan, lambda keys: [cast(tensor, dtype) for tensor in read(keys)],
+                                            keys_in, False, progress)
+                    yield from buffers.items()
+                    stream.check_replicas()  # before the writer keeps the folder
+
+                written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(), common)
+            else:  # a save by tp ranks: each rank's file holds slices of every tensor, so the model is gathered
+                state = to_mindformers(lambda keys: [cast(stream.tensor(key), dtype) for key in keys], shapes, model,
+                                       core_version, f"Megatron checkpoint {stream.directory}", progress)
+                stream.check_replicas()
+                state.update(buffers)
+                written = write_mindformers_checkpoint(output_dir, iteration, state, None, common, world=tp,
+                                                       split_dim=mindformers_split_dim)
         files = sorted(written.glob("*.safetensors"))
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
