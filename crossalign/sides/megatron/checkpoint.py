@@ -311,7 +311,9 @@ def _fill_iteration_dir(directory: Path, iteration: int, specs: Mapping[str, Ten
         for (t, p, e), rank_specs in _rank_specs(specs, model, tp, pp, ep, etp).items():
             file = directory / rank_dir_name(t, p, pp, e, ep) / MODEL_FILE
             file.parent.mkdir(parents=True)
-            writers[(t, p, e)] = open_files.enter_context(TorchFileWriter(file, fields, "model", rank_specs, caster))
+            like = writers.get((t, p, 0))  # EP ranks hold the same keys and shapes: one skeleton, copied
+            writers[(t, p, e)] = open_files.enter_context(TorchFileWriter(file, fields, "model", rank_specs, caster,
+                                                                          like=like))
         announced = iter(specs)
         for key, tensor in tensors:
             if key != next(announced, None):
