@@ -49,6 +49,7 @@ from crossalign.checkpoint.convert_core import (
     to_mindformers,
 )
 from crossalign.tensorio.errors import CheckpointError
+from crossalign.checkpoint.expert_chunks import chunked_plan, chunked_reads, joined_chunks
 from crossalign.checkpoint.hf_convert import HF_DIRECTIONS, convert_hf
 from crossalign.models.layout import check_expert_form, megatron_shapes
 from crossalign.sides.megatron.checkpoint import (
@@ -68,6 +69,11 @@ from crossalign.tensorio.torch_file import TensorSpec
 from crossalign.config import ModelConfig
 
 log = logging.getLogger(__name__)
+
+def _inputs(plan, forward: bool) -> int:
+    """How many input keys a plan reads (a chunk of experts counts as one)."""
+    return sum(len(placed.ms_keys if forward else placed.mg_keys) for placed in plan)
+
 
 Direction = Literal["ms2mg", "mg2ms", "hf2ms", "hf2mg", "ms2hf"]
 FORMATS = ("torch", "torch_dist")  # Megatron's --ckpt-format
@@ -136,8 +142,9 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     elif direction == "ms2mg":
         if fault is None:
             specs = forward_specs(plan, entries, model, core_version, experts, dtype)
-            tensors: Iterable[tuple[str, torch.Tensor]] = rule_outputs(plan, reused_reads(source), keys_in, True,
-                                                                       progress)
+            chunked = chunked_plan(plan, {key: info.nbytes for key, info in entries.items()})
+            tensors: Iterable[tuple[str, torch.Tensor]] = rule_outputs(
+                chunked, chunked_reads(source, model.num_experts or 1), _inputs(chunked, True), True, progress)
         else:  # a self-check on a small model: held in memory, so that the broken output needs no table
             state = run_rules(plan, lambda keys: [source.tensor(key) for key in keys], keys_in, True, progress)
             log.warning("fault %r injected: the Megatron output keys and shapes were NOT validated", fault)
@@ -168,9 +175,11 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
             if tp == 1:
                 specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
 
+                chunked = chunked_plan(plan, {key: spec.nbytes for key, spec in specs.items()})
+
                 def outputs() -> Iterator[tuple[str, torch.Tensor]]:
-                    yield from rule_outputs(plan, lambda keys: [cast(tensor, dtype) for tensor in read(keys)],
-                                            keys_in, False, progress)
+                    yield from joined_chunks(rule_outputs(
+                        chunked, lambda keys: [cast(tensor, dtype) for tensor in read(keys)], keys_in, False, progress))
                     yield from buffers.items()
                     stream.check_replicas()  # before the writer keeps the folder
 
