@@ -30,6 +30,7 @@ from crossalign.tensorio.atomic import check_output_dir
 from crossalign.tensorio.blocks import one_thread
 from crossalign.checkpoint.convert_core import (
     ConvertReport,
+    Fetch,
     Progress,
     cast,
     check_dtype,
@@ -70,6 +71,21 @@ from crossalign.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
+def _counted(fetch: Fetch, total: int, progress: Progress | None, dtype: str | None = None) -> Fetch:
+    """``fetch`` reporting ``progress(bytes read so far, total, key)`` after each rule's inputs, and casting them to
+    ``dtype`` when given (after they are counted, in the bytes the source holds)."""
+    done = 0
+
+    def counted(keys: tuple[str, ...]) -> list[torch.Tensor]:
+        nonlocal done
+        tensors = fetch(keys)
+        done += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        if progress:
+            progress(min(done, total), total, keys[0])
+        return tensors if dtype is None else [cast(tensor, dtype) for tensor in tensors]
+    return counted
+
+
 def _inputs(plan, forward: bool) -> int:
     """How many input keys a plan reads (a chunk of experts counts as one)."""
     return sum(len(placed.ms_keys if forward else placed.mg_keys) for placed in plan)
@@ -98,6 +114,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     ``ckpt_format`` torch_dist makes ms2mg write Megatron's torch_dist checkpoint instead
     (``torch_dist.py``): one copy of the whole model, resharded by Megatron at load, so it
     takes no tp/pp/ep. mg2ms reads either format.
+    ``progress(done, total, what)`` counts the bytes of the input read for ms2mg and mg2ms (so that
+    a bar and its time left follow the data), the tensors for the Hugging Face directions.
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     if direction in HF_DIRECTIONS:
@@ -133,7 +151,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                              f"MindFormers checkpoint {source.directory}")
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
     if direction == "ms2mg" and ckpt_format == "torch_dist":
-        state = run_rules(plan, lambda keys: [cast(source.tensor(key), dtype) for key in keys], keys_in, True, progress)
+        state = run_rules(plan, _counted(lambda keys: [source.tensor(key) for key in keys], bytes_in, progress, dtype),
+                          keys_in, True)
         check_forward_output({k: tuple(v.shape) for k, v in state.items()}, model, core_version, experts, None)
         keys_out, bytes_out = len(state), nbytes(state.values())
         stored = state["embedding.word_embeddings.weight"].dtype
@@ -144,9 +163,11 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
             specs = forward_specs(plan, entries, model, core_version, experts, dtype)
             chunked = chunked_plan(plan, {key: info.nbytes for key, info in entries.items()})
             tensors: Iterable[tuple[str, torch.Tensor]] = rule_outputs(
-                chunked, chunked_reads(source, model.num_experts or 1), _inputs(chunked, True), True, progress)
+                chunked, _counted(chunked_reads(source, model.num_experts or 1), bytes_in, progress),
+                _inputs(chunked, True), True, None)
         else:  # a self-check on a small model: held in memory, so that the broken output needs no table
-            state = run_rules(plan, lambda keys: [source.tensor(key) for key in keys], keys_in, True, progress)
+            state = run_rules(plan, _counted(lambda keys: [source.tensor(key) for key in keys], bytes_in, progress),
+                              keys_in, True)
             log.warning("fault %r injected: the Megatron output keys and shapes were NOT validated", fault)
             specs = {key: TensorSpec(tuple(t.shape), stored_dtype(t.dtype, dtype)) for key, t in state.items()}
             tensors = state.items()
@@ -179,14 +200,15 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
 
                 def outputs() -> Iterator[tuple[str, torch.Tensor]]:
                     yield from joined_chunks(rule_outputs(
-                        chunked, lambda keys: [cast(tensor, dtype) for tensor in read(keys)], keys_in, False, progress))
+                        chunked, _counted(read, bytes_in, progress, dtype), keys_in, False, None))
                     yield from buffers.items()
                     stream.check_replicas()  # before the writer keeps the folder
 
                 written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(), common)
             else:  # a save by tp ranks: each rank's file holds slices of every tensor, so the model is gathered
-                state = to_mindformers(lambda keys: [cast(stream.tensor(key), dtype) for key in keys], shapes, model,
-                                       core_version, f"Megatron checkpoint {stream.directory}", progress)
+                state = to_mindformers(_counted(lambda keys: [stream.tensor(key) for key in keys], bytes_in, progress,
+                                                dtype), shapes, model, core_version,
+                                       f"Megatron checkpoint {stream.directory}", None)
                 stream.check_replicas()
                 state.update(buffers)
                 written = write_mindformers_checkpoint(output_dir, iteration, state, None, common, world=tp,
