@@ -131,3 +131,23 @@ def test_the_streamed_model_reads_each_tensor_into_the_callers_buffer(tmp_path, 
             assert read.data_ptr() == buffer.view((1,), torch.uint8).data_ptr() or read.numel() == 0
             assert torch.equal(read, tensor), key
         merged.check_replicas()
+
+
+def test_mg2ms_writes_mindformers_token_counts_as_zeros_and_says_why(tmp_path, source):
+    """MindFormers saves mlp.tokens_per_expert (a Parameter); Megatron does not save its counts (a non-persistent
+    buffer): a round trip gives MindFormers' fresh zeros, and both legs say what they did."""
+    from crossalign.models.layout import mindformers_buffers
+    from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
+
+    counted = tmp_path / "counted"
+    state = random_mindformers_state(MOE, seed=5)
+    counts = {name: torch.arange(shape[0], dtype=torch.float32) + 1 for name, shape in mindformers_buffers(MOE).items()}
+    write_mindformers_checkpoint(counted, 4, {**state, **counts}, None, default_common(4, 4))
+    there = convert_checkpoint(MOE, "ms2mg", counted, tmp_path / "mg", ep=2)
+    assert any(f"left out {len(counts)} buffer(s)" in note for note in there.notes)
+    back = convert_checkpoint(MOE, "mg2ms", tmp_path / "mg", tmp_path / "back")
+    assert any(f"added {len(counts)} buffer(s) mlp.tokens_per_expert as zeros" in note for note in back.notes)
+    written = read_mindformers_checkpoint(tmp_path / "back")
+    assert set(written.buffer_entries()) == set(counts) and len(counts) == 5  # 4 MoE layers and the MTP layer's
+    for name in counts:
+        assert torch.equal(written.tensor(name), torch.zeros(MOE.num_experts))
