@@ -52,7 +52,14 @@ class ExpertChunk(Rule):
         return dataclasses.replace(self.whole, num_experts=self.count)
 
     def forward(self, tensors):
-        return self._part().forward(tensors)
+        """The rule's outputs, each transposed straight into one contiguous block (views of it, which the
+        streaming writer consumes one by one): the rule's own clones keep the transposed strides, and the
+        writer would then transpose each again."""
+        experts = self._part().stacked_input(tensors[0]).transpose(1, 2)
+        out = torch.empty(experts.shape, dtype=experts.dtype)
+        for e in range(self.count):
+            out[e].copy_(experts[e])  # a 2-D transpose: torch's blocked copy (aten/native/Copy.cpp)
+        return list(out)
 
     def inverse(self, tensors):
         return self._part().inverse(tensors)

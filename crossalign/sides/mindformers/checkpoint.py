@@ -450,7 +450,10 @@ def stream_mindformers_checkpoint(root: Path, iteration: int, specs: Mapping[str
             for name, tensor in tensors:
                 spec = specs.get(name)
                 if isinstance(tensor, RowBlocks):  # a tensor too large to hand over whole
-                    writer.write_blocks(name, caster.cast_blocks(tensor, spec.dtype) if spec is not None else tensor)
+                    writer.write_blocks(name, (block if spec is None or (block.dtype == spec.dtype and
+                                                                         block.is_contiguous())
+                                               else caster.cast_blocks([block], spec.dtype).__next__()
+                                               for block in tensor))
                     continue
                 castable = spec is not None and tensor.is_floating_point() and spec.dtype.is_floating_point
                 if castable and (tensor.dtype != spec.dtype or not tensor.is_contiguous()):
