@@ -90,3 +90,18 @@ def test_mg2ms_from_torch_dist_is_bit_exact(tmp_path, source):
     back = _mindformers_digest(tmp_path / "ms")
     _show("PIN_MG2MS_FROM_TORCH_DIST", back)
     assert back == PIN_MG2MS_FROM_TORCH_DIST
+
+
+@pytest.mark.parametrize("experts_per_chunk", [1, 3])
+def test_experts_converted_a_chunk_at_a_time_give_the_same_bits(tmp_path, source, monkeypatch, experts_per_chunk):
+    """The real model's experts go a chunk at a time (``expert_chunks.py``); here chunks of 1 and of 3 of the
+    tiny model's 4 experts (the last one short), both ways, must give the pinned tensors."""
+    from crossalign.checkpoint import expert_chunks
+
+    fc1 = read_mindformers_checkpoint(source).entries["decoder.layers.0.mlp.experts.weight1"]
+    monkeypatch.setattr(expert_chunks, "CHUNK_BYTES", experts_per_chunk * fc1.nbytes // MOE.num_experts)
+    out = tmp_path / "mg"
+    convert_checkpoint(MOE, "ms2mg", source, out, tp=2, pp=2, ep=2)
+    assert _megatron_digests(out) == PINS_MS2MG_TP2_PP2_EP2
+    convert_checkpoint(MOE, "mg2ms", out, tmp_path / "ms")
+    assert _mindformers_digest(tmp_path / "ms") == PIN_MG2MS_FROM_TP2_PP2_EP2

@@ -12,8 +12,9 @@ MindSpore -> Megatron streams: the output keys are checked and the Megatron file
 from the tables before any tensor is read, then each rule reads its inputs into reused
 buffers and its outputs go straight into their records, cast on the way (``torch_file.py``),
 so memory holds one rule's tensors whatever the model size. Megatron -> MindSpore streams
-the same way from a legacy checkpoint of tensor parallel size 1 (any pipeline and expert
-layout, ``MegatronStream``); a tensor-parallel or torch_dist one is merged in memory first.
+the same way from a checkpoint of any layout, legacy or torch_dist: ``open_megatron`` reads one
+full tensor at a time by the merge path both directions share (``sides/megatron/merge.py``).
+Only a MindFormers output saved as several ranks (``--tp`` of mg2ms) is gathered in memory.
 
 Hugging Face -> Megatron streams as MindSpore -> Megatron does; Megatron -> Hugging Face merges
 the Megatron checkpoint in memory; hf2ms and ms2hf hold the model once in memory on the way
@@ -54,10 +55,11 @@ from crossalign.checkpoint.convert_core import (
     to_mindformers,
 )
 from crossalign.tensorio.errors import CheckpointError
+from crossalign.checkpoint.expert_chunks import chunked_plan, chunked_reads, joined_chunks
 from crossalign.checkpoint.hf import read_hf_checkpoint, write_hf_checkpoint
 from crossalign.models.layout import check_expert_form, megatron_shapes
 from crossalign.sides.megatron.checkpoint import (
-    open_megatron_stream,
+    open_megatron,
     read_megatron_checkpoint,
     stream_megatron_checkpoint,
     write_torch_dist_checkpoint,
@@ -75,6 +77,27 @@ from crossalign.config import ConfigError, ModelConfig
 from crossalign.hf_config import hf_config_from_model
 
 log = logging.getLogger(__name__)
+
+
+def _counted(fetch: Fetch, total: int, progress: Progress | None, dtype: str | None = None) -> Fetch:
+    """``fetch`` reporting ``progress(bytes read so far, total, key)`` after each rule's inputs, and casting them to
+    ``dtype`` when given (after they are counted, in the bytes the source holds)."""
+    done = 0
+
+    def counted(keys: tuple[str, ...]) -> list[torch.Tensor]:
+        nonlocal done
+        tensors = fetch(keys)
+        done += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        if progress:
+            progress(min(done, total), total, keys[0])
+        return tensors if dtype is None else [cast(tensor, dtype) for tensor in tensors]
+    return counted
+
+
+def _inputs(plan, forward: bool) -> int:
+    """How many input keys a plan reads (a chunk of experts counts as one)."""
+    return sum(len(placed.source_keys if forward else placed.target_keys) for placed in plan)
+
 
 Direction = Literal["ms2mg", "mg2ms", "hf2mg", "mg2hf", "hf2ms", "ms2hf"]
 DIRECTIONS: tuple[str, ...] = get_args(Direction)
@@ -154,6 +177,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     as ms2mg does (iteration 0: nothing trained yet); mg2hf merges a Megatron checkpoint of
     any layout and writes the Hugging Face text model (config.json from ``model``); hf2ms and
     ms2hf pass through Megatron's layout in memory. The Hugging Face side holds no iteration.
+    ``progress(done, total, what)`` counts the bytes of the input read for ms2mg and mg2ms (so that
+    a bar and its time left follow the data), the tensors for the Hugging Face directions.
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     check_direction(direction)
@@ -192,7 +217,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                                 f"MindFormers checkpoint {source.directory}")
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
     if direction == "ms2mg" and ckpt_format == "torch_dist":
-        state = run_rules(plan, lambda keys: [cast(source.tensor(key), dtype) for key in keys], keys_in, True, progress)
+        state = run_rules(plan, _counted(lambda keys: [source.tensor(key) for key in keys], bytes_in, progress, dtype),
+                          keys_in, True)
         check_forward_output({k: tuple(v.shape) for k, v in state.items()}, model, core_version, experts, None)
         keys_out, bytes_out = len(state), nbytes(state.values())
         stored = state["embedding.word_embeddings.weight"].dtype
@@ -201,10 +227,13 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     elif direction == "ms2mg":
         if fault is None:
             specs = forward_specs(plan, entries, model, core_version, experts, dtype)
-            tensors: Iterable[tuple[str, torch.Tensor]] = rule_outputs(plan, reused_reads(source), keys_in, True,
-                                                                       progress)
+            chunked = chunked_plan(plan, {key: info.nbytes for key, info in entries.items()})
+            tensors: Iterable[tuple[str, torch.Tensor]] = rule_outputs(
+                chunked, _counted(chunked_reads(source, model.num_experts or 1), bytes_in, progress),
+                _inputs(chunked, True), True, None)
         else:  # a self-check on a small model: held in memory, so that the broken output needs no table
-            state = run_rules(plan, lambda keys: [source.tensor(key) for key in keys], keys_in, True, progress)
+            state = run_rules(plan, _counted(lambda keys: [source.tensor(key) for key in keys], bytes_in, progress),
+                              keys_in, True)
             log.warning("fault %r injected: the Megatron output keys and shapes were NOT validated", fault)
             specs = {key: TensorSpec(tuple(t.shape), stored_dtype(t.dtype, dtype)) for key, t in state.items()}
             tensors = state.items()
@@ -213,50 +242,43 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
             written = stream_megatron_checkpoint(output_dir, iteration, specs, tensors, model=model, tp=tp, pp=pp,
                                                  ep=ep, etp=etp)
         files = sorted(written.glob("mp_rank_*/*.pt"))
-    elif tp == 1 and (stream := open_megatron_stream(input_dir, model)) is not None:
-        # Each rule's inputs read into reused buffers and its outputs written as they come; what
-        # several ranks hold is checked against its replicas meanwhile, before the output is kept.
-        shapes = stream.shapes
-        experts_in = expert_form_of(shapes)
-        check_state(shapes, megatron_shapes(model, core_version, experts_in), f"Megatron checkpoint "
-                    f"{stream.directory} does not match model {model.name} (core {core_version}, {experts_in} experts)")
-        plan = conversion_plan(model, core_version, experts_in)
-        buffers, notes = fresh_buffers(model)
-        specs = inverse_specs(plan, stream.dtypes, model, dtype)
-        keys_in, keys_out = len(shapes), len(specs)
-        bytes_in, bytes_out = stream.nbytes, sum(spec.nbytes for spec in specs.values())
-        specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
-        iteration, source_format = stream.iteration, stream.format
-        read = reused_reads(stream)
-
-        def outputs() -> Iterator[tuple[str, torch.Tensor]]:
-            # cast as read, as the merged path below casts before the rules
-            yield from rule_outputs(plan, lambda keys: [cast(tensor, dtype) for tensor in read(keys)], keys_in,
-                                    False, progress)
-            yield from buffers.items()
-            stream.check_replicas()  # before the writer keeps the folder
-
-        with stream, one_thread():
-            written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(),
-                                                    default_common(iteration, global_batch_size))
-        files = sorted(written.glob("*.safetensors"))
     else:
-        source_mg = read_megatron_checkpoint(input_dir, model, core_version)
-        source_format = source_mg.format
-        iteration = source_mg.iteration
-        loaded = source_mg.state
-        keys_in, bytes_in = len(loaded), nbytes(loaded.values())
-        shapes = {key: tuple(tensor.shape) for key, tensor in loaded.items()}
-        state = to_mindformers(lambda keys: [cast(loaded.pop(key), dtype) for key in keys], shapes,
-                               model, core_version, f"Megatron checkpoint {source_mg.directory}", progress)
-        keys_out, bytes_out = len(state), nbytes(state.values())
-        buffers, notes = fresh_buffers(model)
-        state.update(buffers)
-        if progress:
-            progress(keys_in, keys_in, "writing the MindFormers files")
-        written = write_mindformers_checkpoint(output_dir, iteration, state, None,
-                                               default_common(iteration, global_batch_size),
-                                               world=tp, split_dim=mindformers_split_dim)
+        # Any layout, legacy or torch_dist, read a full tensor at a time by the one merge path; what several
+        # ranks hold is checked against its copies meanwhile, before the output is kept.
+        with open_megatron(input_dir, model, core_version) as stream, one_thread():
+            shapes = stream.shapes
+            experts_in = expert_form_of(shapes)
+            check_state(shapes, megatron_shapes(model, core_version, experts_in), f"Megatron checkpoint "
+                        f"{stream.directory} does not match model {model.name} (core {core_version}, {experts_in} "
+                        "experts)")
+            plan = conversion_plan(model, core_version, experts_in)
+            buffers, notes = fresh_buffers(model)
+            specs = inverse_specs(plan, stream.dtypes, model, dtype)
+            keys_in, keys_out = len(shapes), len(specs)
+            bytes_in, bytes_out = stream.nbytes, sum(spec.nbytes for spec in specs.values())
+            iteration, source_format = stream.iteration, stream.format
+            read = reused_reads(stream)
+            common = default_common(iteration, global_batch_size)
+            if tp == 1:
+                specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
+
+                chunked = chunked_plan(plan, {key: spec.nbytes for key, spec in specs.items()})
+
+                def outputs() -> Iterator[tuple[str, torch.Tensor]]:
+                    yield from joined_chunks(rule_outputs(
+                        chunked, _counted(read, bytes_in, progress, dtype), keys_in, False, None))
+                    yield from buffers.items()
+                    stream.check_replicas()  # before the writer keeps the folder
+
+                written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(), common)
+            else:  # a save by tp ranks: each rank's file holds slices of every tensor, so the model is gathered
+                state = to_mindformers(_counted(lambda keys: [stream.tensor(key) for key in keys], bytes_in, progress,
+                                                dtype), shapes, model, core_version,
+                                       f"Megatron checkpoint {stream.directory}", None)
+                stream.check_replicas()
+                state.update(buffers)
+                written = write_mindformers_checkpoint(output_dir, iteration, state, None, common, world=tp,
+                                                       split_dim=mindformers_split_dim)
         files = sorted(written.glob("*.safetensors"))
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,

@@ -283,7 +283,15 @@ def left_out_buffers(source: MindFormersCheckpoint, model: ModelConfig) -> list[
 
 
 def fresh_buffers(model: ModelConfig) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The buffers MindFormers' model saves, as its reset leaves them (zeros): Megatron's checkpoint has no counts."""
+    """The buffers MindFormers' model saves, as its reset leaves them (zeros): Megatron's checkpoint has no counts.
+
+    MindFormers' MoE layer holds ``tokens_per_expert`` as a Parameter (requires_grad False,
+    zeros at init; mindformers 2.1.0 ``pynative/transformers/moe/moe_layer.py:84``), so it is in
+    every checkpoint MindFormers saves and its strict load expects it. Megatron's counterpart,
+    the router's ``local_tokens_per_expert``, is a non-persistent buffer (core_v0.16.1
+    ``megatron/core/transformer/moe/router.py:165-171``): a Megatron checkpoint never holds the
+    counts, so mg2ms writes them as a fresh MindFormers model starts them, and says so.
+    """
     buffers = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in mindformers_buffers(model).items()}
     notes = [f"added {len(buffers)} buffer(s) mlp.tokens_per_expert as zeros, as MindFormers' MoE layer starts "
              "them (Megatron does not save its token counts)"] if buffers else []

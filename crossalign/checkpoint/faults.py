@@ -128,7 +128,8 @@ def break_layout(shards: dict, fault: str, model: ModelConfig) -> None:
     it; a fault this layout cannot show is an error."""
     import re
 
-    from crossalign.sides.megatron.sharding import merge_tensors, partition_of
+    from crossalign.sides.megatron.merge import FullTensor, HeldTensor
+    from crossalign.sides.megatron.sharding import partition_of
 
     tp, ep = 1 + max(rank[0] for rank in shards), 1 + max(rank[2] for rank in shards)
     if fault == "in_proj_split_as_one_block":
@@ -137,7 +138,8 @@ def break_layout(shards: dict, fault: str, model: ModelConfig) -> None:
         for (t, p, e), state in shards.items():
             for key in [k for k in state if k.endswith("self_attention.in_proj.weight")]:
                 parts = [shards[(r, p, e)][key] for r in range(tp)]
-                whole = merge_tensors(key, parts, partition_of(key, parts[0].dim(), model))
+                held = tuple(HeldTensor(part, f"tensor rank {r}") for r, part in enumerate(parts))
+                whole = FullTensor((held,), partition_of(key, parts[0].dim(), model)).read()
                 state[key] = torch.chunk(whole, tp, dim=0)[t].clone()
         return
     if fault == "experts_not_renumbered":

@@ -34,6 +34,16 @@ def _progress():
                     console=console, transient=True)
 
 
+def _byte_progress():
+    """A bar by bytes, with the rate and the time left (a conversion reports the bytes of its input read)."""
+    # rich's progress module is imported when a command runs, not when the CLI starts
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    return Progress(TextColumn("{task.description:<28.28}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=console, transient=True)
+
+
 def cast_bf16_command(
     input_dir: Path = typer.Option(..., "--input", help="MindFormers checkpoint: root with the tracker, an "
                                    "iteration_%08d folder, or a bare folder of safetensors."),
@@ -103,7 +113,7 @@ def convert_command(
             raise CheckpointError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
         config = load_config(model)
         version = core_version or config.training.megatron_core_version
-        with _progress() as progress:
+        with _byte_progress() if direction in ("ms2mg", "mg2ms") else _progress() as progress:
             task = progress.add_task("converting", total=None)
 
             def report(done: int, total: int, what: str) -> None:

@@ -41,7 +41,7 @@ def _pairs(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping):
 
 def renamed_parameters(plan) -> dict[str, str]:
     """MindSpore parameter -> Megatron parameter (full names) of every rule that only renames (``Rename``)."""
-    return {placed.ms_keys[0]: placed.mg_keys[0] for placed in plan if type(placed.rule) is Rename}
+    return {placed.source_keys[0]: placed.target_keys[0] for placed in plan if type(placed.rule) is Rename}
 
 
 def _parameter_pairs(ms: WholeEntry, mg: WholeEntry, renamed: dict[str, str]) -> dict[str, str]:

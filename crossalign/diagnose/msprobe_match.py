@@ -199,7 +199,7 @@ def _rule_rows(section: str, plan, ms_params: dict[str, WholeRecord], mg_params:
     rows: list[Row] = []
     notes: list[str] = []
     for placed in plan:
-        ms_keys, mg_keys = placed.ms_keys, placed.mg_keys
+        ms_keys, mg_keys = placed.source_keys, placed.target_keys
         have_ms = [k in ms_params for k in ms_keys]
         have_mg = [k in mg_params for k in mg_keys]
         if not any(have_ms) and not any(have_mg):

@@ -36,7 +36,7 @@ class LoadedMegatron:
 def read_as_megatron_loads(path: Path, model: ModelConfig, core_version: str) -> LoadedMegatron:
     """The checkpoint at ``path`` merged strictly, or, when its ranks do not fit together, as each rank loads it."""
     from crossalign.sides.megatron.checkpoint import find_iteration_dir, read_megatron_checkpoint, read_rank_states
-    from crossalign.sides.megatron.sharding import merge_shards
+    from crossalign.sides.megatron.merge import merge_rank_states
 
     try:
         checkpoint = read_megatron_checkpoint(Path(path), model, core_version)
@@ -53,7 +53,7 @@ def read_as_megatron_loads(path: Path, model: ModelConfig, core_version: str) ->
                 "model, as Megatron does after its strict load fails"]
     problems += fit_ranks_to_model(shards, model, core_version, layout, directory)
     try:
-        state = merge_shards(shards, model)
+        state = merge_rank_states(shards, model)
     except CheckpointError as exc:
         raise CheckpointError(f"{directory}: {strict_error}; even loaded rank by rank they do not merge: {exc}") \
             from None

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from crossalign.flows.events import StepEvent, emit
+from crossalign.report.units import duration_text
 from crossalign.tasks.progress import parse_progress
 
 ARTIFACT_INTERVAL_S = 2.0
@@ -33,7 +34,10 @@ class StepReporter:
         """The ``on_step`` callback of a trainer (also fed from progress lines of a step process)."""
         self.logger.info(f"{self.step} iteration {done}/{total}: {_format_metrics(metrics)}")
         emit(StepEvent(self.step, "progress", host=self.host, done=done, total=total, metrics=metrics))
-        self._update_artifact(100.0 * done / max(total, 1), force=done >= total)
+        left = metrics.get("seconds_left")  # a step that knows its time left (a conversion) says it
+        description = None if not isinstance(left, (int, float)) or left != left else \
+            f"run {self.run_id}: {self.step}, {duration_text(left)} left"
+        self._update_artifact(100.0 * done / max(total, 1), force=done >= total, description=description)
 
     def on_line(self, line: str) -> None:
         """One output line of a step process: progress lines become progress, the rest log lines."""
@@ -45,7 +49,7 @@ class StepReporter:
             self.logger.info(line)
             emit(StepEvent(self.step, "line", host=self.host, message=line))
 
-    def _update_artifact(self, percent: float, force: bool) -> None:
+    def _update_artifact(self, percent: float, force: bool, description: str | None = None) -> None:
         # Prefect loads in seconds: imported only where its API is called
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
@@ -57,8 +61,8 @@ class StepReporter:
             if self._artifact_id is None:
                 self._artifact_id = create_progress_artifact(
                     percent, key=f"{self.step}-progress",
-                    description=f"run {self.run_id}: {self.step} training progress")
+                    description=description or f"run {self.run_id}: {self.step} training progress")
             else:
-                update_progress_artifact(self._artifact_id, percent)
+                update_progress_artifact(self._artifact_id, percent, description=description)
         except Exception as exc:  # progress display must never fail a training step
             self.logger.debug(f"progress artifact not updated: {exc}")

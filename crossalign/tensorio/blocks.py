@@ -50,6 +50,16 @@ class ReusedBuffer:
         return self._bytes[:nbytes].view(dtype).view(shape)
 
 
+class RowBlocks:
+    """A tensor handed over as consecutive row blocks (each valid until the next is asked for); read once."""
+
+    def __init__(self, blocks: Iterable[torch.Tensor]):
+        self._blocks = iter(blocks)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self._blocks
+
+
 class BlockCaster:
     """Yields a tensor's rows cast to a dtype, in blocks that share one buffer (each valid until the next)."""
 

@@ -17,14 +17,13 @@ Each file holds ``{"checkpoint_version": 3.0, "iteration": N, "model": {...}}`` 
 else, so it loads with torch's default ``weights_only=True`` and needs no patch to Megatron
 (an ``args`` Namespace is optional for ``--finetune`` and is left out). Files are written a
 tensor at a time (``torch_file.py``), so saving never holds a second copy of the model, and
-read a tensor at a time when the tensor parallel size is 1 (``MegatronStream``).
+read a tensor at a time whatever the layout (``open_megatron``, by the merge path of ``merge.py``).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,17 +34,10 @@ import torch
 from crossalign.tensorio.atomic import save_iteration
 from crossalign.tensorio.blocks import BlockCaster, ReusedBuffer
 from crossalign.tensorio.errors import CheckpointError
-from crossalign.sides.megatron.sharding import (
-    Rank,
-    check_parallel_sizes,
-    is_routed_expert,
-    merge_shards,
-    routed_expert_index,
-    shard_shapes,
-    shard_tensor,
-)
+from crossalign.sides.megatron.merge import MergedModel, layout_of, merge_plan
+from crossalign.sides.megatron.sharding import Rank, check_parallel_sizes, is_routed_expert, shard_shapes, shard_tensor
 from crossalign.tensorio.safetensors_io import read_into
-from crossalign.sides.megatron.torch_dist import fill_torch_dist, is_torch_dist, legacy_state, read_torch_dist_tensors
+from crossalign.sides.megatron.torch_dist import fill_torch_dist, is_torch_dist, torch_dist_plan
 from crossalign.tensorio.torch_file import TensorSpec, TorchFileWriter, write_to_all
 from crossalign.config import ModelConfig
 
@@ -55,7 +47,6 @@ CHECKPOINT_VERSION = 3.0
 _ITER_DIR = re.compile(r"iter_(\d{7})")
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LAST_STAGE_KEY = "decoder.final_layernorm.weight"
-_LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -162,6 +153,10 @@ class StoredTensor:
     file_offset: int  # of the storage's first byte
 
     @property
+    def where(self) -> str:
+        return str(self.file)
+
+    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
@@ -235,26 +230,35 @@ def _load_sharing_replicas(files: dict[Rank, Path]) -> dict[Rank, dict[str, torc
     return shards
 
 
-def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
-                             core_version: str = "0.16.1") -> MegatronCheckpoint:
-    """Open a checkpoint given its root (with the tracker) or an ``iter_%07d``/``release`` folder.
+def open_megatron(path: Path, model: ModelConfig | None = None, core_version: str = "0.16.1") -> MergedModel:
+    """Any Megatron checkpoint as a ``MergedModel``, read a tensor at a time (given its root or iteration folder).
 
-    All ``mp_rank_*`` shards, of any tensor, pipeline and expert layout, are merged into one
-    state dict; merging tensor- or expert-parallel shards needs the model config (the GDN
-    segment sizes and the expert count come from it). A torch_dist folder (``torch_dist.py``)
-    is read whole, whatever layout saved it, and needs the model config too.
+    Legacy rank files of any tensor, pipeline and expert layout are described from their
+    pickles alone (``StoredTensor``) and merged by ``merge.merge_plan``, which needs the model
+    config beyond one rank (the GDN segment sizes and the expert count come from it). A
+    torch_dist folder (``torch_dist.py``), whatever layout saved it, needs the model config too.
     """
     directory, iteration = find_iteration_dir(Path(path))
     if is_torch_dist(directory):
         if model is None:
             raise CheckpointError(f"{directory}: reading a torch_dist checkpoint needs the model config")
-        state = legacy_state(read_torch_dist_tensors(directory), model, core_version)
-        return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=1, pp=1,
-                                  format="torch_dist")
-    shards = read_rank_states(directory)
-    tp, pp, ep = (1 + max(rank[i] for rank in shards) for i in range(3))
-    state = merge_shards(shards, model) if len(shards) > 1 else shards[(0, 0, 0)]
-    return MegatronCheckpoint(directory=directory, iteration=iteration, state=state, tp=tp, pp=pp, ep=ep)
+        return MergedModel(directory, iteration, torch_dist_plan(directory, model, core_version), 1, 1, 1,
+                           "torch_dist")
+    folders = _rank_folders(directory)
+    stored = {folder / MODEL_FILE: _stored_tensors(folder / MODEL_FILE) for folder in folders.values()}
+    ranks = _ranks_of(folders, directory, lambda file: set(stored[file]))
+    by_rank = {rank: stored[folders[numbers] / MODEL_FILE] for numbers, rank in ranks.items()}
+    return MergedModel(directory, iteration, merge_plan(by_rank, model), *layout_of(by_rank))
+
+
+def read_megatron_checkpoint(path: Path, model: ModelConfig | None = None,
+                             core_version: str = "0.16.1") -> MegatronCheckpoint:
+    """Open a checkpoint given its root (with the tracker) or an ``iter_%07d``/``release`` folder, merged into one
+    full state dict in memory (``open_megatron`` reads it a tensor at a time instead)."""
+    with open_megatron(path, model, core_version) as merged:
+        state = merged.state()
+    return MegatronCheckpoint(directory=merged.directory, iteration=merged.iteration, state=state, tp=merged.tp,
+                              pp=merged.pp, ep=merged.ep, format=merged.format)
 
 
 def read_rank_states(directory: Path) -> dict[Rank, dict[str, torch.Tensor]]:
@@ -279,155 +283,6 @@ def _rank_folders(directory: Path) -> dict[tuple[int, ...], Path]:
     if not folders:
         raise CheckpointError(f"{directory}: no mp_rank_* folders")
     return folders
-
-
-@dataclass(frozen=True)
-class _FullTensor:
-    """Where a tensor of the full model is: ``parts`` joined on the first axis, ``replicas`` to agree with it."""
-
-    parts: tuple[StoredTensor, ...]
-    replicas: tuple[tuple[StoredTensor, str], ...] = ()  # each with the error to raise when it differs
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        first = self.parts[0].shape
-        return (first[0] * len(self.parts), *first[1:]) if len(self.parts) > 1 else first
-
-
-class MegatronStream:
-    """A legacy checkpoint of one tensor rank (any pipeline and expert layout), read a tensor at a time.
-
-    The full model's keys and shapes are known from the pickles alone (``StoredTensor``); each
-    ``tensor`` is then read straight from its rank file, into a buffer the caller keeps from
-    tensor to tensor. So converting holds one rule's tensors in memory, not the model, and
-    never touches fresh memory per tensor. What other ranks hold of a tensor (the non-expert
-    model on every EP rank, the embedding on the MTP stage) is read and checked bit for bit
-    against it on a thread of its own, with buffers of its own, while the caller goes on:
-    ``check_replicas`` waits for those checks and raises the first difference, and must be
-    called before the conversion's output is kept. Use it in a ``with`` block.
-    """
-
-    format = "torch"
-
-    def __init__(self, directory: Path, iteration: int, tensors: dict[str, _FullTensor], pp: int, ep: int):
-        self.directory, self.iteration, self.pp, self.ep, self.tp = directory, iteration, pp, ep, 1
-        self._tensors = tensors
-        self._scratch = ReusedBuffer()
-        self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-checks")
-        self._checks: list[Future] = []
-        self._reference, self._replica = ReusedBuffer(), ReusedBuffer()  # the checker's own
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {key: full.shape for key, full in self._tensors.items()}
-
-    @property
-    def dtypes(self) -> dict[str, torch.dtype]:
-        return {key: full.parts[0].dtype for key, full in self._tensors.items()}
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of the full model (each tensor once, however many ranks hold it)."""
-        return sum(part.nbytes for full in self._tensors.values() for part in full.parts)
-
-    def tensor(self, key: str, buffer: ReusedBuffer | None = None) -> torch.Tensor:
-        """One tensor of the full model, read into ``buffer`` when given (valid until the buffer is used again)."""
-        full = self._tensors[key]
-        if len(full.parts) == 1:
-            tensor = full.parts[0].read(buffer)
-        else:
-            tensor = buffer.view(full.shape, full.parts[0].dtype) if buffer is not None else torch.empty(
-                full.shape, dtype=full.parts[0].dtype)
-            rows = full.parts[0].shape[0]
-            for index, part in enumerate(full.parts):
-                tensor[index * rows:(index + 1) * rows].copy_(part.read(self._scratch))
-        if full.replicas:
-            self._checks.append(self._checker.submit(self._check, full))
-        return tensor
-
-    def _check(self, full: _FullTensor) -> None:
-        """On the checker thread: every replica of a (one-part) tensor equals it bit for bit."""
-        reference = full.parts[0].read(self._reference)
-        for replica, error in full.replicas:
-            if replica.shape != tuple(reference.shape) or replica.dtype != reference.dtype or not torch.equal(
-                    replica.read(self._replica), reference):
-                raise CheckpointError(error)
-
-    def check_replicas(self) -> None:
-        """Wait for the checks of every tensor read so far; raise the first one's error (in reading order)."""
-        checks, self._checks = self._checks, []
-        for check in checks:
-            check.result()
-
-    def close(self) -> None:
-        for check in self._checks:
-            check.cancel()
-        self._checker.shutdown(wait=True)
-
-    def __enter__(self) -> "MegatronStream":
-        return self
-
-    def __exit__(self, kind, value, traceback) -> None:
-        self.close()
-
-
-def open_megatron_stream(path: Path, model: ModelConfig) -> MegatronStream | None:
-    """A legacy checkpoint of tensor parallel size 1 as a ``MegatronStream``; None for a layout merged in memory.
-
-    torch_dist folders and tensor-parallel shards (whose merge concatenates segments of
-    several ranks) are read by ``read_megatron_checkpoint``. The checks are those of the
-    merge: every rank present, the EP ranks of a stage holding the same keys, what ranks
-    hold alike equal bit for bit (when read), each expert on one rank.
-    """
-    directory, iteration = find_iteration_dir(Path(path))
-    if is_torch_dist(directory):
-        return None
-    folders = _rank_folders(directory)
-    stored = {folder / MODEL_FILE: _stored_tensors(folder / MODEL_FILE) for folder in folders.values()}
-    ranks = _ranks_of(folders, directory, lambda file: set(stored[file]))
-    by_rank = {rank: stored[folders[numbers] / MODEL_FILE] for numbers, rank in ranks.items()}
-    pp, ep = (1 + max(rank[i] for rank in by_rank) for i in (1, 2))
-    if any(rank[0] for rank in by_rank):
-        return None
-    missing = [(0, p, e) for p in range(pp) for e in range(ep) if (0, p, e) not in by_rank]
-    if missing:
-        raise CheckpointError(f"shards of ranks (tp, pp, ep) {missing} are missing")
-    local_experts = model.num_experts // ep if model.is_moe else 0
-    tensors: dict[str, _FullTensor] = {}
-    offset = 0
-    for stage in range(pp):
-        keys = list(by_rank[(0, stage, 0)])
-        for e in range(1, ep):
-            if set(by_rank[(0, stage, e)]) != set(keys):
-                raise CheckpointError(f"pipeline stage {stage}: ranks (tp, ep) (0, 0) and (0, {e}) hold different "
-                                      f"keys: {sorted(set(by_rank[(0, stage, e)]) ^ set(keys))[:5]}")
-        layers = {int(m.group(1)) for m in map(_LAYER_KEY.fullmatch, keys) if m}
-        for key in keys:
-            match = _LAYER_KEY.fullmatch(key)
-            name = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else key
-            index = routed_expert_index(name)
-            if index is None or ep == 1:  # held alike by every EP rank
-                first = by_rank[(0, stage, 0)][key]
-                replicas = tuple((by_rank[(0, stage, e)][key], f"{by_rank[(0, stage, e)][key].file}: {key!r} differs "
-                                  "from expert-parallel rank 0's") for e in range(1, ep))
-                if name in tensors:  # the embedding, on the first stage and on the MTP stage
-                    held = tensors[name]
-                    tensors[name] = _FullTensor(held.parts, held.replicas + ((first, f"{name!r} differs between "
-                                                                              "pipeline stages"),) + replicas)
-                else:
-                    tensors[name] = _FullTensor((first,), replicas)
-            elif index == "":  # stacked experts: EP rank e holds rows e * E/EP ...
-                tensors[name] = _FullTensor(tuple(by_rank[(0, stage, e)][key] for e in range(ep)))
-            else:
-                stem = name[:len(name) - len(index)]
-                for e in range(ep):
-                    full_name = f"{stem}{e * local_experts + int(index)}"
-                    if full_name in tensors:
-                        raise CheckpointError(f"{by_rank[(0, stage, e)][key].file}: {key!r} is expert "
-                                              f"{full_name!r}, which another rank holds too")
-                    tensors[full_name] = _FullTensor((by_rank[(0, stage, e)][key],))
-        offset += len(layers)
-    return MegatronStream(directory, iteration, tensors, pp, ep)
 
 
 def _rank_specs(specs: Mapping[str, TensorSpec], model: ModelConfig | None, tp: int, pp: int, ep: int,
@@ -456,7 +311,9 @@ def _fill_iteration_dir(directory: Path, iteration: int, specs: Mapping[str, Ten
         for (t, p, e), rank_specs in _rank_specs(specs, model, tp, pp, ep, etp).items():
             file = directory / rank_dir_name(t, p, pp, e, ep) / MODEL_FILE
             file.parent.mkdir(parents=True)
-            writers[(t, p, e)] = open_files.enter_context(TorchFileWriter(file, fields, "model", rank_specs, caster))
+            like = writers.get((t, p, 0))  # EP ranks hold the same keys and shapes: one skeleton, copied
+            writers[(t, p, e)] = open_files.enter_context(TorchFileWriter(file, fields, "model", rank_specs, caster,
+                                                                          like=like))
         announced = iter(specs)
         for key, tensor in tensors:
             if key != next(announced, None):

@@ -11,7 +11,7 @@ Layout (core_v0.16.1 ``megatron/core/dist_checkpointing``)::
 Every tensor is stored once as the whole model's tensor (its global shape), whatever layout
 saved it, so a load at any TP/PP/EP cuts out its own slices: Megatron reshards at load. The
 keys are the model's ``sharded_state_dict()`` keys, which differ from the legacy state dict's
-in three ways, undone by :func:`legacy_state` and redone by megatron-core's own writer:
+in three ways, undone by :func:`torch_dist_plan` and redone by megatron-core's own writer:
 
 * GatedDeltaNet's in_proj and conv1d are stored as their parts: ``in_proj.weight.query``,
   ``.key``, ``.value``, ``.z``, ``.beta``, ``.alpha``; ``conv1d.weight.query``, ``.key``, ``.value``
@@ -24,7 +24,8 @@ in three ways, undone by :func:`legacy_state` and redone by megatron-core's own 
   Both are read; crossalign writes TE's names (``te_local.py``), the GPU run's.
 
 Reading needs no process group and no model: ``torch.distributed.checkpoint`` loads the whole
-tensors of the model keys (optimizer state, RNG state and TE ``_extra_state`` are left out).
+tensors of the model keys one at a time (``DistTensor``), as the merge path (``merge.py``) asks
+for them (optimizer state, RNG state and TE ``_extra_state`` are left out).
 Writing builds megatron-core's GPTModel on the CPU (one process, gloo), loads the converted
 legacy state into it strictly and calls megatron-core's ``dist_checkpointing.save``: the file
 format is megatron-core's own, not a copy of it. That holds the model in memory once, in the
@@ -41,6 +42,8 @@ from typing import Iterator, Mapping
 
 import torch
 
+from crossalign.sides.megatron.merge import FullTensor
+from crossalign.tensorio.blocks import ReusedBuffer
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.sides.megatron.te_local import local_to_te_names
 from crossalign.config import ModelConfig
@@ -68,44 +71,78 @@ def is_torch_dist(directory: Path) -> bool:
     return True
 
 
-def read_torch_dist_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a torch_dist iteration folder, whole, under its sharded key, in its stored dtype."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+class DistTensor:
+    """One tensor of a torch_dist folder under its sharded key, read whole by ``torch.distributed.checkpoint``.
 
-    reader = dcp.FileSystemReader(str(directory))
+    ``dcp.load`` of that key alone reads its chunks (one, or one per rank that saved it) into
+    the target, so the folder is read a tensor at a time.
+    """
+
+    def __init__(self, reader, key: str, shape: tuple[int, ...], dtype: torch.dtype, directory: Path):
+        self.reader, self.key, self.shape, self.dtype = reader, key, shape, dtype
+        self.where = f"{directory}: {key}"
+
+    def read(self, buffer: ReusedBuffer | None = None) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp  # heavy, and only a torch_dist folder needs it
+
+        out = buffer.view(self.shape, self.dtype) if buffer is not None else torch.empty(self.shape, dtype=self.dtype)
+        try:
+            dcp.load({self.key: out}, storage_reader=self.reader, no_dist=True)
+        except Exception as exc:  # a missing or truncated .distcp file raises whatever its reader meets
+            raise CheckpointError(f"{self.where}: cannot be read ({exc})") from None
+        return out
+
+
+def _reader(directory: Path):
+    """A ``FileSystemReader`` that reads the index ``.metadata`` once (``dcp.load`` asks for it on every call)."""
+    import torch.distributed.checkpoint as dcp  # heavy, and only a torch_dist folder needs it
+
+    class _Reader(dcp.FileSystemReader):
+        _metadata = None
+
+        def read_metadata(self):
+            if self._metadata is None:
+                self._metadata = super().read_metadata()
+            return self._metadata
+
+    return _Reader(str(directory))
+
+
+def torch_dist_plan(directory: Path, model: ModelConfig, core_version: str) -> dict[str, FullTensor]:
+    """Every model tensor of a torch_dist folder under its legacy TE key at TP 1 (routed experts stacked), as
+    the parts it is read from; nothing is read but the index.
+
+    Optimizer state, RNG state and TE ``_extra_state`` are left out.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # as above: torch_dist folders only
+
+    reader = _reader(directory)
     try:
         metadata = reader.read_metadata()
     except Exception as exc:  # a missing or foreign .metadata raises whatever its unpickling meets
         raise CheckpointError(f"{directory}: cannot read the torch_dist index .metadata ({exc})") from None
-    state = {key: torch.empty(tuple(info.size), dtype=info.properties.dtype)
-             for key, info in metadata.state_dict_metadata.items()
-             if isinstance(info, TensorStorageMetadata) and key.startswith(MODEL_PREFIXES)}
-    if not state:
-        raise CheckpointError(f"{directory}: the torch_dist checkpoint holds no model tensors")
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    return state
-
-
-def legacy_state(tensors: Mapping[str, torch.Tensor], model: ModelConfig,
-                 core_version: str) -> dict[str, torch.Tensor]:
-    """A torch_dist model's tensors under the legacy TE keys at TP 1 (routed experts stacked), for the converter."""
     renames = local_to_te_names(model, core_version)
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
+    parts: dict[str, dict[str, DistTensor]] = {}
+    tensors: dict[str, FullTensor] = {}
+    for key, info in metadata.state_dict_metadata.items():
+        if not isinstance(info, TensorStorageMetadata) or not key.startswith(MODEL_PREFIXES):
+            continue
+        tensor = DistTensor(reader, key, tuple(info.size), info.properties.dtype, directory)
         part = _PART.fullmatch(key)
         if part:
             parts.setdefault(part.group(1), {})[part.group(2)] = tensor
             continue
         grouped = _GROUPED_EXPERTS.fullmatch(key)
-        state[f"{grouped.group(1)}.{grouped.group(2)}" if grouped else renames.get(key, key)] = tensor
+        tensors[f"{grouped.group(1)}.{grouped.group(2)}" if grouped else renames.get(key, key)] = FullTensor(
+            ((tensor,),))
+    if not tensors and not parts:
+        raise CheckpointError(f"{directory}: the torch_dist checkpoint holds no model tensors")
     for key, pieces in parts.items():
         names = GDN_PARTS[key.rsplit(".", 2)[-2] + ".weight"]
         if set(pieces) != set(names):
             raise CheckpointError(f"{key}: torch_dist parts {sorted(pieces)}, expected {list(names)}")
-        state[key] = torch.cat([pieces[name] for name in names])
-    return state
+        tensors[key] = FullTensor(tuple((pieces[name],) for name in names))  # the parts' rows, in this order
+    return tensors
 
 
 def _sharded_state_dict(net) -> dict:

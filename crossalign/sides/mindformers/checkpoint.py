@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from crossalign.tensorio.atomic import save_iteration
-from crossalign.tensorio.blocks import BlockCaster, ReusedBuffer
+from crossalign.tensorio.blocks import BlockCaster, ReusedBuffer, RowBlocks
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.tensorio.safetensors_io import (
     DTYPE_NAMES,
@@ -433,8 +433,9 @@ def stream_mindformers_checkpoint(root: Path, iteration: int, specs: Mapping[str
 
     ``specs`` announces every tensor (name, shape, stored dtype) in the order ``tensors`` then
     yields them, each consumed before the next is asked for; a floating tensor of another
-    floating dtype (or a view) goes through a row block buffer, cast on the way. So memory
-    holds one tensor at a time however large the model. Returns the iteration folder.
+    floating dtype (or a view) goes through a row block buffer, cast on the way; a ``RowBlocks``
+    is written block by block as it comes. So memory holds one tensor (or block) at a time
+    however large the model. Returns the iteration folder.
     """
     infos = []
     for name, spec in specs.items():
@@ -448,6 +449,12 @@ def stream_mindformers_checkpoint(root: Path, iteration: int, specs: Mapping[str
                                SAFETENSORS_METADATA) as writer:
             for name, tensor in tensors:
                 spec = specs.get(name)
+                if isinstance(tensor, RowBlocks):  # a tensor too large to hand over whole
+                    writer.write_blocks(name, (block if spec is None or (block.dtype == spec.dtype and
+                                                                         block.is_contiguous())
+                                               else caster.cast_blocks([block], spec.dtype).__next__()
+                                               for block in tensor))
+                    continue
                 castable = spec is not None and tensor.is_floating_point() and spec.dtype.is_floating_point
                 if castable and (tensor.dtype != spec.dtype or not tensor.is_contiguous()):
                     writer.write_blocks(name, caster.rows(tensor, spec.dtype))
