@@ -50,7 +50,7 @@ def test_a_conversion_in_a_flow_keeps_a_progress_artifact_with_the_time_left(pre
                                                                             source):
     from prefect import flow
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     from crossalign.flows.reporting import StepReporter
 
@@ -60,8 +60,10 @@ def test_a_conversion_in_a_flow_keeps_a_progress_artifact_with_the_time_left(pre
         convert_checkpoint(MOE, "ms2mg", source, tmp_path / "mg", ep=2,
                            progress=ConversionProgress(reporter.on_step, interval_s=0))
 
-    convert_step()
+    state = convert_step(return_state=True)
+    ours = ArtifactFilter(key=ArtifactFilterKey(any_=["convert-progress"]),  # the server is shared by the file's tests
+                          flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["convert-progress"])))
+        found = client.read_artifacts(artifact_filter=ours)
     assert len(found) == 1 and found[0].type == "progress" and float(found[0].data) == 100.0
     assert found[0].description.startswith("run run-1: convert, ") and found[0].description.endswith(" left")

@@ -21,10 +21,11 @@ from crossalign.models.torch_model import Qwen35Model, load_megatron_state
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_msprobe_config(path: Path, dump_path: Path, task: str, level: str) -> Path:
-    """msprobe's config.json (its schema: msprobe/config.json in the installed package)."""
-    config = {"task": task, "dump_path": str(dump_path), "rank": [], "step": [0], "level": level,
-              "async_dump": False,
+def write_msprobe_config(path: Path, dump_path: Path, task: str, level: str, steps: list[int] | None = None) -> Path:
+    """msprobe's config.json dumping ``steps`` (default step 0; its schema: msprobe/config.json in the installed
+    package)."""
+    config = {"task": task, "dump_path": str(dump_path), "rank": [], "step": [0] if steps is None else steps,
+              "level": level, "async_dump": False,
               task: {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"}}
     if task == "md5":
         config = {**config, "task": "statistics",

@@ -12,7 +12,6 @@ shows in the PyTorch dump exactly as a real Megatron run would carry it.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -27,23 +26,11 @@ from crossalign.diagnose.ranks import read_as_megatron_loads
 from crossalign.diagnose.references import Batch, build_megatron, random_batch
 from crossalign.diagnose.selfcheck import make_checkpoints
 from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
+from tests.helpers.msprobe_dumps import write_msprobe_config
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT_SEED = 7
 BATCH_SEED = 5
-
-
-def write_stepped_config(path: Path, dump_path: Path, task: str, level: str, steps: list[int] | None = None) -> Path:
-    """msprobe's config.json dumping ``steps`` (its schema: msprobe/config.json in the installed package)."""
-    config = {"task": task, "dump_path": str(dump_path), "rank": [], "step": [0] if steps is None else steps,
-              "level": level, "async_dump": False,
-              task: {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"}}
-    if task == "md5":
-        config = {**config, "task": "statistics",
-                  "statistics": {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "md5"}}
-        config.pop("md5")
-    path.write_text(json.dumps(config))
-    return path
 
 
 class MegatronWrappers(torch.nn.Module):
@@ -73,7 +60,7 @@ def torch_dumps(runs: list, out: Path, task: str = "statistics", level: str = "L
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = write_stepped_config(out / "config.json", out / "dump", task, level, list(range(len(runs))))
+    config = write_msprobe_config(out / "config.json", out / "dump", task, level, list(range(len(runs))))
     debugger = PrecisionDebugger(config_path=str(config))
     for model, state, batch, core_version in runs:
         net, _ = build_megatron(model, state, core_version, strict=False)
@@ -98,7 +85,7 @@ def mindspore_dumps(runs: list, out: Path, task: str = "statistics", level: str 
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = write_stepped_config(out / "config.json", out / "dump", task, level, list(range(len(runs))))
+    config = write_msprobe_config(out / "config.json", out / "dump", task, level, list(range(len(runs))))
     debugger = PrecisionDebugger(config_path=str(config))
     for model, state, batch in runs:
         net = Qwen35Model(model)
