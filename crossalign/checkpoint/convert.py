@@ -13,8 +13,9 @@ from the tables before any tensor is read, then each rule reads its inputs into 
 buffers and its outputs go straight into their records, cast on the way (``torch_file.py``),
 so memory holds one rule's tensors whatever the model size. Megatron -> MindSpore streams
 the same way from a checkpoint of any layout, legacy or torch_dist: ``open_megatron`` reads one
-full tensor at a time by the merge path both directions share (``sides/megatron/merge.py``).
-Only a MindFormers output saved as several ranks (``--tp`` of mg2ms) is gathered in memory.
+full tensor at a time by the merge path both directions share (``sides/megatron/merge.py``),
+into one MindFormers file or, with ``--tp``, into the files of that many ranks at once, each
+tensor cut into its rank slices as it comes.
 
 Hugging Face -> Megatron streams as MindSpore -> Megatron does; Megatron -> Hugging Face merges
 the Megatron checkpoint in memory; hf2ms and ms2hf hold the model once in memory on the way
@@ -52,7 +53,6 @@ from crossalign.checkpoint.convert_core import (
     run_rules,
     stored_dtype,
     to_megatron_plan,
-    to_mindformers,
 )
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.expert_chunks import chunked_plan, chunked_reads, joined_chunks
@@ -259,26 +259,18 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
             iteration, source_format = stream.iteration, stream.format
             read = reused_reads(stream)
             common = default_common(iteration, global_batch_size)
-            if tp == 1:
-                specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
+            specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
+            chunked = chunked_plan(plan, {key: spec.nbytes for key, spec in specs.items()})
 
-                chunked = chunked_plan(plan, {key: spec.nbytes for key, spec in specs.items()})
+            def outputs() -> Iterator[tuple[str, torch.Tensor]]:
+                yield from joined_chunks(rule_outputs(
+                    chunked, _counted(read, bytes_in, progress, dtype), keys_in, False, None))
+                yield from buffers.items()
+                stream.check_replicas()  # before the writer keeps the folder
 
-                def outputs() -> Iterator[tuple[str, torch.Tensor]]:
-                    yield from joined_chunks(rule_outputs(
-                        chunked, _counted(read, bytes_in, progress, dtype), keys_in, False, None))
-                    yield from buffers.items()
-                    stream.check_replicas()  # before the writer keeps the folder
-
-                written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(), common)
-            else:  # a save by tp ranks: each rank's file holds slices of every tensor, so the model is gathered
-                state = to_mindformers(_counted(lambda keys: [stream.tensor(key) for key in keys], bytes_in, progress,
-                                                dtype), shapes, model, core_version,
-                                       f"Megatron checkpoint {stream.directory}", None)
-                stream.check_replicas()
-                state.update(buffers)
-                written = write_mindformers_checkpoint(output_dir, iteration, state, None, common, world=tp,
-                                                       split_dim=mindformers_split_dim)
+            # With tp > 1 each tensor is cut into its tp rank slices as it comes, into tp files open at once.
+            written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(), common, world=tp,
+                                                    split_dim=mindformers_split_dim)
         files = sorted(written.glob("*.safetensors"))
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,
