@@ -8,7 +8,10 @@ per copy of the embedding in bf16, which belongs to the model, not to a layer) a
 MTP block, so the files hold the layer. Steps, each in a subprocess of its own:
 
 * ms2mg --ep 8: a bf16 MindFormers checkpoint of the layer into 8 expert-parallel Megatron rank files;
-* mg2ms: those 8 files back into one MindFormers checkpoint.
+* mg2ms: those 8 files back into one MindFormers checkpoint;
+* mg2ms --tp 2: those 8 files into a MindFormers checkpoint saved by 2 tensor ranks (one file per
+  rank and metadata.json, each tensor cut into its rank slices as it streams; the real model's 2
+  query groups allow no more ranks). ``--tp 1`` leaves this step out.
 
 Both write ``--dtype`` (bf16 by default, so that the disk holds it: fp32 doubles every output).
 Each step's time is compared with ``cp`` of its input and output files in one go (target <= 1.5x,
@@ -17,10 +20,10 @@ at other expert and layer counts show that the RSS does not grow with either (th
 printed), and the 512-expert layer is projected to the model's 60 layers.
 
 The benchmark sizes itself to the free disk: it needs about 4.2x the layer's bf16 bytes (input,
-Megatron output, MindFormers output, one copy), shrinks the expert count of a run that does not
+Megatron output, one MindFormers output at a time, one copy), shrinks the expert count of a run that does not
 fit (saying so), and stops when not even 64 experts fit.
 
-    .venv/bin/python benchmarks/convert_real_layer.py [--runs 512x1 128x1 128x2] [--workdir DIR] [--repeats 3]
+    .venv/bin/python benchmarks/convert_real_layer.py [--runs 512x1 128x1 128x2] [--tp 2] [--workdir DIR] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ CHILD = """
 import json, os, sys, time
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the crossalign commands set it
 from pathlib import Path
-step, config, source, target, ep, dtype = sys.argv[1:7]
+step, config, source, target, ep, dtype, tp = sys.argv[1:8]
 import torch
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.config import load_config
@@ -79,6 +82,8 @@ elif step == "ms2mg":
     convert_checkpoint(model, "ms2mg", Path(source), Path(target), ep=int(ep), dtype=dtype)
 elif step == "mg2ms":
     convert_checkpoint(model, "mg2ms", Path(source), Path(target), dtype=dtype)
+elif step == "mg2ms-tp":
+    convert_checkpoint(model, "mg2ms", Path(source), Path(target), dtype=dtype, tp=int(tp))
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
@@ -103,11 +108,12 @@ def layer_bytes(experts: int, layers: int) -> int:
     return 2 * (layers * per_layer + 2 * 2048 * h)
 
 
-def run_child(step: str, config: Path, source: Path, target: Path, ep: int, dtype: str) -> tuple[float, int]:
+def run_child(step: str, config: Path, source: Path, target: Path, ep: int, dtype: str,
+              tp: int = 1) -> tuple[float, int]:
     """(seconds of the step once imported, peak RSS in bytes) of one step in a process of its own."""
     os.sync()
     child = subprocess.Popen([sys.executable, "-c", CHILD, step, str(config), str(source), str(target), str(ep),
-                              dtype], stdout=subprocess.PIPE, text=True)
+                              dtype, str(tp)], stdout=subprocess.PIPE, text=True)
     output = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     if os.waitstatus_to_exitcode(status):
@@ -131,30 +137,34 @@ def fitting_experts(experts: int, layers: int, free: int) -> int:
     return 0
 
 
-def benchmark(work: Path, experts: int, layers: int, ep: int, dtype: str, repeats: int) -> list[dict]:
+def benchmark(work: Path, experts: int, layers: int, ep: int, dtype: str, repeats: int, tp: int) -> list[dict]:
     config = layer_config(work, experts, layers)
-    source, megatron, back = work / "ms-bf16", work / "megatron", work / "ms-back"
+    source, megatron, back, back_tp = work / "ms-bf16", work / "megatron", work / "ms-back", work / "ms-back-tp"
     print(f"[{experts} experts x {layers} layer(s)] generating a random bf16 MindFormers checkpoint "
           f"({layer_bytes(experts, layers) / 1e9:.1f} GB) ...", flush=True)
     run_child("generate", config, source, source, ep, dtype)
     rows = []
-    for step, inp, out, pattern_in, pattern_out in (("ms2mg", source, megatron, "*.safetensors", "*.pt"),
-                                                    ("mg2ms", megatron, back, "*.pt", "*.safetensors")):
+    steps = [("ms2mg", source, megatron, "*.safetensors", "*.pt"), ("mg2ms", megatron, back, "*.pt", "*.safetensors")]
+    if tp > 1:
+        steps.append(("mg2ms-tp", megatron, back_tp, "*.pt", "*.safetensors"))
+    for step, inp, out, pattern_in, pattern_out in steps:
         runs, copies = [], []
         for attempt in range(repeats):
             print(f"[{experts} experts x {layers} layer(s)] {step} ({attempt + 1}/{repeats}) ...", flush=True)
             if out.exists():
                 shutil.rmtree(out)
-            runs.append(run_child(step, config, inp, out, ep, dtype))
+            runs.append(run_child(step, config, inp, out, ep, dtype, tp))
             inputs, outputs = files_of(inp, pattern_in), files_of(out, pattern_out)
             copies.append(copy_seconds_in_one_go(inputs + outputs, work))
-        rows.append({"experts": experts, "layers": layers, "step": step,
+        rows.append({"experts": experts, "layers": layers, "step": step if step != "mg2ms-tp" else f"mg2ms tp{tp}",
                      "bytes_in": sum(f.stat().st_size for f in inputs),
                      "bytes_out": sum(f.stat().st_size for f in outputs),
                      "seconds": min(r[0] for r in runs), "cp_seconds": min(copies),
                      "peak_rss": max(r[1] for r in runs),
                      "largest": max(f.stat().st_size for f in inputs + outputs)})
-    for folder in (source, megatron, back):
+        if out in (back, back_tp):  # no later step reads it: its disk is free for the next output
+            shutil.rmtree(out)
+    for folder in (source, megatron):
         shutil.rmtree(folder)
     return rows
 
@@ -164,6 +174,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["512x1", "128x1", "128x2"],
                         help="EXPERTSxLAYERS of each run; the first is the real layer, projected to the model")
     parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--tp", type=int, default=2, help="tensor ranks of the mg2ms --tp step (1: no such step)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each step and of its cp baseline")
@@ -186,16 +197,16 @@ def main() -> None:
             if fitting != experts:
                 print(f"{base}: {free / 1e9:.0f} GB free, {experts} experts x {layers} layer(s) need "
                       f"{DISK_FACTOR * layer_bytes(experts, layers) / 1e9:.0f} GB: running {fitting} experts instead")
-            rows += benchmark(Path(tmp), fitting, layers, args.ep, args.dtype, args.repeats)
+            rows += benchmark(Path(tmp), fitting, layers, args.ep, args.dtype, args.repeats, args.tp)
     print()
-    print(f"{'experts':>8}{'layers':>7}{'step':>7}{'in GB':>8}{'out GB':>8}{'step s':>8}{'cp s':>8}{'time/cp':>9}"
+    print(f"{'experts':>8}{'layers':>7}{'step':>11}{'in GB':>8}{'out GB':>8}{'step s':>8}{'cp s':>8}{'time/cp':>9}"
           f"{'RSS MB':>8}{'largest MB':>11}{'RSS/largest':>12}")
     for r in rows:
-        print(f"{r['experts']:>8}{r['layers']:>7}{r['step']:>7}{r['bytes_in'] / 1e9:>8.2f}{r['bytes_out'] / 1e9:>8.2f}"
+        print(f"{r['experts']:>8}{r['layers']:>7}{r['step']:>11}{r['bytes_in'] / 1e9:>8.2f}{r['bytes_out'] / 1e9:>8.2f}"
               f"{r['seconds']:>8.1f}{r['cp_seconds']:>8.1f}{r['seconds'] / r['cp_seconds']:>9.2f}"
               f"{r['peak_rss'] / 1e6:>8.0f}{r['largest'] / 1e6:>11.0f}{r['peak_rss'] / r['largest']:>12.2f}")
     print(f"RSS of a process that only imports torch and crossalign: {baseline / 1e6:.0f} MB")
-    for step in ("ms2mg", "mg2ms"):
+    for step in dict.fromkeys(r["step"] for r in rows):
         mine = [r for r in rows if r["step"] == step]
         one_layer = sorted((r for r in mine if r["layers"] == 1), key=lambda r: r["experts"])
         if len(one_layer) > 1:

@@ -10,6 +10,7 @@ checkpoint back into the MindSpore source, bf16 bit for bit.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,8 @@ def test_torch_dist_is_megatron_cores_format_under_the_gpu_runs_keys(torch_dist)
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert json.loads((folder / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     assert report.format == "torch_dist" and report.files and all(f.suffix == ".distcp" for f in report.files)
+    held = "--format torch_dist holds the whole model in memory (.*): about 0.5 GB for this 0.0 GB model"
+    assert any(re.match(held + ".*legacy --format torch streams", note) for note in report.notes)
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)

@@ -13,8 +13,9 @@ from the tables before any tensor is read, then each rule reads its inputs into 
 buffers and its outputs go straight into their records, cast on the way (``torch_file.py``),
 so memory holds one rule's tensors whatever the model size. Megatron -> MindSpore streams
 the same way from a checkpoint of any layout, legacy or torch_dist: ``open_megatron`` reads one
-full tensor at a time by the merge path both directions share (``sides/megatron/merge.py``).
-Only a MindFormers output saved as several ranks (``--tp`` of mg2ms) is gathered in memory.
+full tensor at a time by the merge path both directions share (``sides/megatron/merge.py``),
+into one MindFormers file or, with ``--tp``, into the files of that many ranks at once, each
+tensor cut into its rank slices as it comes.
 
 Hugging Face -> Megatron streams as MindSpore -> Megatron does; Megatron -> Hugging Face merges
 the Megatron checkpoint in memory; hf2ms and ms2hf hold the model once in memory on the way
@@ -52,7 +53,6 @@ from crossalign.checkpoint.convert_core import (
     run_rules,
     stored_dtype,
     to_megatron_plan,
-    to_mindformers,
 )
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.checkpoint.expert_chunks import chunked_plan, chunked_reads, joined_chunks
@@ -105,6 +105,19 @@ HF_DIRECTIONS = ("hf2mg", "mg2hf", "hf2ms", "ms2hf")
 FORMATS = ("torch", "torch_dist")  # Megatron's --ckpt-format
 THROUGH = "0.16.1"  # the Megatron layout an hf2ms / ms2hf conversion passes through (any version gives the same)
 CONFIG_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Peak memory of ms2mg --format torch_dist over the imports, per byte of the model it writes: the converted state
+# dict and megatron-core's GPTModel built from it on the CPU for its own save. Measured with
+# benchmarks/convert_torch_dist.py (bf16 qwen35_dense 1.41 GB: 3.07 GB, 2.18x; qwen35_moe 1.49 GB: 3.30 GB, 2.21x).
+TORCH_DIST_MEMORY = 2.2
+TORCH_DIST_IMPORTS_BYTES = 0.5e9  # torch, crossalign and megatron-core imported (0.47 GB measured)
+
+
+def torch_dist_memory_note(model_bytes: int) -> str:
+    """The warning of an ms2mg --format torch_dist conversion: how much memory it holds, and what streams instead."""
+    need = TORCH_DIST_MEMORY * model_bytes + TORCH_DIST_IMPORTS_BYTES
+    return (f"--format torch_dist holds the whole model in memory (megatron-core's own save of its GPTModel built "
+            f"on the CPU): about {need / 1e9:.1f} GB for this {model_bytes / 1e9:.1f} GB model ({TORCH_DIST_MEMORY}x "
+            "its bytes + 0.5 GB); legacy --format torch streams a tensor at a time")
 
 
 def check_direction(direction: str) -> None:
@@ -217,6 +230,9 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                                 f"MindFormers checkpoint {source.directory}")
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
     if direction == "ms2mg" and ckpt_format == "torch_dist":
+        notes.append(torch_dist_memory_note(sum(spec.nbytes for spec in forward_specs(
+            plan, entries, model, core_version, experts, dtype).values())))
+        log.warning(notes[-1])
         state = run_rules(plan, _counted(lambda keys: [source.tensor(key) for key in keys], bytes_in, progress, dtype),
                           keys_in, True)
         check_forward_output({k: tuple(v.shape) for k, v in state.items()}, model, core_version, experts, None)
@@ -259,26 +275,18 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
             iteration, source_format = stream.iteration, stream.format
             read = reused_reads(stream)
             common = default_common(iteration, global_batch_size)
-            if tp == 1:
-                specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
+            specs.update({name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in buffers.items()})
+            chunked = chunked_plan(plan, {key: spec.nbytes for key, spec in specs.items()})
 
-                chunked = chunked_plan(plan, {key: spec.nbytes for key, spec in specs.items()})
+            def outputs() -> Iterator[tuple[str, torch.Tensor]]:
+                yield from joined_chunks(rule_outputs(
+                    chunked, _counted(read, bytes_in, progress, dtype), keys_in, False, None))
+                yield from buffers.items()
+                stream.check_replicas()  # before the writer keeps the folder
 
-                def outputs() -> Iterator[tuple[str, torch.Tensor]]:
-                    yield from joined_chunks(rule_outputs(
-                        chunked, _counted(read, bytes_in, progress, dtype), keys_in, False, None))
-                    yield from buffers.items()
-                    stream.check_replicas()  # before the writer keeps the folder
-
-                written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(), common)
-            else:  # a save by tp ranks: each rank's file holds slices of every tensor, so the model is gathered
-                state = to_mindformers(_counted(lambda keys: [stream.tensor(key) for key in keys], bytes_in, progress,
-                                                dtype), shapes, model, core_version,
-                                       f"Megatron checkpoint {stream.directory}", None)
-                stream.check_replicas()
-                state.update(buffers)
-                written = write_mindformers_checkpoint(output_dir, iteration, state, None, common, world=tp,
-                                                       split_dim=mindformers_split_dim)
+            # With tp > 1 each tensor is cut into its tp rank slices as it comes, into tp files open at once.
+            written = stream_mindformers_checkpoint(output_dir, iteration, specs, outputs(), common, world=tp,
+                                                    split_dim=mindformers_split_dim)
         files = sorted(written.glob("*.safetensors"))
     return ConvertReport(direction=direction, input_dir=input_dir, output_dir=output_dir, iteration=iteration,
                          keys_in=keys_in, keys_out=keys_out, bytes_in=bytes_in, bytes_out=bytes_out,

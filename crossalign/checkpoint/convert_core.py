@@ -241,12 +241,6 @@ def from_megatron(fetch: Fetch, shapes: Shapes, model: ModelConfig, core_version
     return out if side == "mindformers" else {key: out[key] for key in table}
 
 
-def to_mindformers(fetch: Fetch, shapes: Shapes, model: ModelConfig, core_version: str,
-                   what: str, progress: Progress | None) -> dict[str, torch.Tensor]:
-    """``from_megatron`` to MindFormers: a Megatron model as a checked MindFormers state dict."""
-    return from_megatron(fetch, shapes, model, core_version, what, progress)
-
-
 def inverse_specs(plan: list[PlacedRule], dtypes: Mapping[str, torch.dtype], model: ModelConfig,
                   dtype: str) -> dict[str, TensorSpec]:
     """Every MindFormers tensor the plan writes from Megatron's, in its order, with shape and stored dtype.

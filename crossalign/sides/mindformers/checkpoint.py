@@ -32,12 +32,14 @@ computed with.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -353,26 +355,28 @@ def _layout(ndim: int, dim: int | None, world: int) -> dict:
             "interleaved_parallel": False, "alias_name": ["tp"], "rank_list": list(range(world))}
 
 
-def sharded_metadata(model: Mapping[str, torch.Tensor], split_dim: SplitDim, world: int, prefix: str) -> dict:
-    """metadata.json for ``model`` saved by ``world`` ranks, each tensor cut along ``split_dim`` or held whole by all.
+def sharded_metadata(specs: Mapping[str, TensorSpec], split_dim: SplitDim, world: int, prefix: str) -> dict:
+    """metadata.json for tensors of ``specs`` (shape, dtype) saved by ``world`` ranks, each cut along ``split_dim``
+    or held whole by all.
 
     In MindFormers' format (see ``_sharded_files``): a cut tensor has slice r on rank r; a
     whole one has slice 0 on every rank, rank r holding replica r.
     """
     described, storage = {}, {}
     files = [checkpoint_file_name(prefix, "model", rank, world) for rank in range(world)]
-    for name, tensor in model.items():
-        dim = split_dim(name, tuple(tensor.shape))
-        fragments = [world if axis == dim else 1 for axis in range(tensor.dim())]
-        local = [size // f for size, f in zip(tensor.shape, fragments)]
+    for name, spec in specs.items():
+        shape = tuple(spec.shape)
+        dim = split_dim(name, shape)
+        fragments = [world if axis == dim else 1 for axis in range(len(shape))]
+        local = [size // f for size, f in zip(shape, fragments)]
         slices = list(range(world)) if dim is not None else [0] * world
         described[name] = {
-            "properties": {"dtype": MINDSPORE_DTYPE_NAMES[DTYPE_NAMES[tensor.dtype]],
+            "properties": {"dtype": MINDSPORE_DTYPE_NAMES[DTYPE_NAMES[spec.dtype]],
                            "replica_id": [0] * world if dim is not None else list(range(world)),
                            "allow_shape_mismatch": False, "allow_to_save": True},
-            "global_shape": list(tensor.shape),
+            "global_shape": list(shape),
             "axis_fragmentations": fragments,
-            "layout": _layout(tensor.dim(), dim, world),
+            "layout": _layout(len(shape), dim, world),
             "chunk": [{"global_offset": [s], "local_shape": local} for s in sorted(set(slices))],
         }
         for rank, s in enumerate(slices):
@@ -382,22 +386,30 @@ def sharded_metadata(model: Mapping[str, torch.Tensor], split_dim: SplitDim, wor
     return {"state_dict_metadata": described, "storage_data": storage}
 
 
+def _split_dims(specs: Mapping[str, TensorSpec], split_dim: SplitDim, world: int) -> dict[str, int | None]:
+    """The axis each tensor is cut along over ``world`` ranks; one that does not divide evenly is named."""
+    dims = {}
+    for name, spec in specs.items():
+        dim = dims[name] = split_dim(name, tuple(spec.shape))
+        if dim is not None and spec.shape[dim] % world:
+            raise CheckpointError(f"{name!r}: axis {dim} of shape {list(spec.shape)} does not split over "
+                                  f"{world} ranks")
+    return dims
+
+
 def _fill_iteration_dir(directory: Path, model: Mapping[str, torch.Tensor],
                         optimizer: Mapping[str, torch.Tensor] | None, common: dict, prefix: str,
                         split_dim: SplitDim | None, world: int) -> None:
     if world == 1:
         write_safetensors(directory / checkpoint_file_name(prefix, "model"), model, SAFETENSORS_METADATA)
     else:
-        for name, tensor in model.items():
-            dim = split_dim(name, tuple(tensor.shape))
-            if dim is not None and tensor.shape[dim] % world:
-                raise CheckpointError(f"{name!r}: axis {dim} of shape {list(tensor.shape)} does not split over "
-                                      f"{world} ranks")
+        specs = {name: TensorSpec(tuple(tensor.shape), tensor.dtype) for name, tensor in model.items()}
+        dims = _split_dims(specs, split_dim, world)
         for rank in range(world):
             write_safetensors(directory / checkpoint_file_name(prefix, "model", rank, world),
-                              {name: _slice(tensor, split_dim(name, tuple(tensor.shape)), rank, world)
-                               for name, tensor in model.items()}, SAFETENSORS_METADATA)
-        (directory / METADATA).write_text(json.dumps(sharded_metadata(model, split_dim, world, prefix),
+                              {name: _slice(tensor, dims[name], rank, world) for name, tensor in model.items()},
+                              SAFETENSORS_METADATA)
+        (directory / METADATA).write_text(json.dumps(sharded_metadata(specs, split_dim, world, prefix),
                                                      ensure_ascii=False, separators=(",", ":")))
     if optimizer is not None:
         write_safetensors(directory / checkpoint_file_name(prefix, "opt"), optimizer, SAFETENSORS_METADATA)
@@ -427,38 +439,101 @@ def write_mindformers_checkpoint(root: Path, iteration: int, model: Mapping[str,
 
 
 def stream_mindformers_checkpoint(root: Path, iteration: int, specs: Mapping[str, TensorSpec],
-                                  tensors: Iterable[tuple[str, torch.Tensor]], common: dict,
-                                  prefix: str = DEFAULT_PREFIX) -> Path:
-    """Save one rank's model given tensor by tensor, as ``write_mindformers_checkpoint`` saves it for world 1.
+                                  tensors: Iterable[tuple[str, torch.Tensor | RowBlocks]], common: dict,
+                                  prefix: str = DEFAULT_PREFIX, *, world: int = 1,
+                                  split_dim: SplitDim | None = None) -> Path:
+    """Save a model given tensor by tensor, as ``write_mindformers_checkpoint`` saves it (byte for byte).
 
-    ``specs`` announces every tensor (name, shape, stored dtype) in the order ``tensors`` then
-    yields them, each consumed before the next is asked for; a floating tensor of another
+    ``specs`` announces every tensor (name, whole shape, stored dtype) in the order ``tensors``
+    then yields them, each consumed before the next is asked for; a floating tensor of another
     floating dtype (or a view) goes through a row block buffer, cast on the way; a ``RowBlocks``
-    is written block by block as it comes. So memory holds one tensor (or block) at a time
-    however large the model. Returns the iteration folder.
+    is written block by block as it comes. With ``world`` > 1 the ``world`` rank files are laid
+    out from the specs before any tensor comes and are all open at once: each tensor is cut
+    along ``split_dim`` and each rank's slice written to its file (a ``RowBlocks`` must be cut
+    along its rows, which go to the ranks they belong to as they come); metadata.json follows.
+    So memory holds one tensor (or block) at a time however large the model. Returns the
+    iteration folder.
     """
-    infos = []
+    if world < 1 or (world > 1 and split_dim is None):
+        raise CheckpointError(f"a save by {world} ranks needs split_dim")
+    dims = {name: None for name in specs} if world == 1 else _split_dims(specs, split_dim, world)
+    infos: list[list[TensorInfo]] = [[] for _ in range(world)]
     for name, spec in specs.items():
         if spec.dtype not in DTYPE_NAMES:
             raise CheckpointError(f"tensor {name!r} has dtype {spec.dtype}, which safetensors cannot store")
-        infos.append(TensorInfo(name, DTYPE_NAMES[spec.dtype], spec.shape))
+        dim = dims[name]
+        local = spec.shape if dim is None else tuple(size // world if axis == dim else size
+                                                     for axis, size in enumerate(spec.shape))
+        for rank_infos in infos:
+            rank_infos.append(TensorInfo(name, DTYPE_NAMES[spec.dtype], local))
 
     def fill(directory: Path) -> None:
         caster = BlockCaster()
-        with SafetensorsWriter(directory / checkpoint_file_name(prefix, "model"), infos,
-                               SAFETENSORS_METADATA) as writer:
+        names = ([checkpoint_file_name(prefix, "model")] if world == 1 else
+                 [checkpoint_file_name(prefix, "model", rank, world) for rank in range(world)])
+        with contextlib.ExitStack() as files:
+            writers = [files.enter_context(SafetensorsWriter(directory / file, rank_infos, SAFETENSORS_METADATA))
+                       for file, rank_infos in zip(names, infos)]
             for name, tensor in tensors:
-                spec = specs.get(name)
+                if name not in specs:
+                    raise CheckpointError(f"{directory}: tensor {name!r} was not announced")
+                spec, dim = specs[name], dims[name]
                 if isinstance(tensor, RowBlocks):  # a tensor too large to hand over whole
-                    writer.write_blocks(name, (block if spec is None or (block.dtype == spec.dtype and
-                                                                         block.is_contiguous())
-                                               else caster.cast_blocks([block], spec.dtype).__next__()
-                                               for block in tensor))
+                    blocks = (_stored(block, spec, caster) for block in tensor)
+                    if world == 1:
+                        writers[0].write_blocks(name, blocks)
+                    elif dim == 0:
+                        _write_rows_by_rank(writers, name, spec.shape[0] // world, blocks)
+                    else:  # its blocks come once: they cannot go whole to every rank, nor be cut across their rows
+                        how = "whole on each" if dim is None else f"cut along axis {dim}"
+                        raise CheckpointError(f"{name!r} comes in row blocks, so {world} ranks can save it only cut "
+                                              f"along its rows, not {how}")
                     continue
-                castable = spec is not None and tensor.is_floating_point() and spec.dtype.is_floating_point
-                if castable and (tensor.dtype != spec.dtype or not tensor.is_contiguous()):
-                    writer.write_blocks(name, caster.rows(tensor, spec.dtype))
-                else:
-                    writer.write(name, tensor)
+                for rank, writer in enumerate(writers):
+                    part = tensor if dim is None else tensor.chunk(world, dim=dim)[rank]
+                    castable = part.is_floating_point() and spec.dtype.is_floating_point
+                    if castable and (part.dtype != spec.dtype or not part.is_contiguous()):
+                        writer.write_blocks(name, caster.rows(part, spec.dtype))
+                    else:
+                        writer.write(name, part)
+        if world > 1:
+            (directory / METADATA).write_text(json.dumps(sharded_metadata(specs, split_dim, world, prefix),
+                                                         ensure_ascii=False, separators=(",", ":")))
         (directory / COMMON).write_text(json.dumps(common, ensure_ascii=False, indent=4))
     return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER, fill)
+
+
+def _stored(block: torch.Tensor, spec: TensorSpec, caster: BlockCaster) -> torch.Tensor:
+    """A row block as the file stores it: cast to the announced dtype (and made contiguous) through the caster."""
+    if block.dtype == spec.dtype and block.is_contiguous():
+        return block
+    return next(caster.cast_blocks([block], spec.dtype))
+
+
+def _write_rows_by_rank(writers: list[SafetensorsWriter], name: str, rows_per_rank: int,
+                        blocks: Iterable[torch.Tensor]) -> None:
+    """Consecutive row blocks of a tensor cut on its rows, each rank's rows written to its file as they come.
+
+    A block that straddles a rank boundary is cut there; rank r's writer takes its pieces
+    while they come (each valid until the next is asked for), then rank r+1's.
+    """
+    def pieces() -> Iterator[tuple[int, torch.Tensor]]:
+        start = 0
+        for block in blocks:
+            at = 0
+            while at < len(block):
+                rank = (start + at) // rows_per_rank
+                stop = min(len(block), (rank + 1) * rows_per_rank - start)
+                yield rank, block[at:stop]
+                at = stop
+            start += len(block)
+
+    ranks = []
+    for rank, group in itertools.groupby(pieces(), key=lambda item: item[0]):
+        if rank >= len(writers) or rank in ranks:
+            raise CheckpointError(f"{name!r}: more rows than announced for {len(writers)} ranks of "
+                                  f"{rows_per_rank} rows")
+        ranks.append(rank)
+        writers[rank].write_blocks(name, (piece for _, piece in group))
+    if ranks != list(range(len(writers))):
+        raise CheckpointError(f"{name!r}: rows came for ranks {ranks}, not for all {len(writers)}")
