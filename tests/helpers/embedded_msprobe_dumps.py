@@ -67,7 +67,7 @@ def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics",
     injected into the Megatron side's checkpoint only. megatron-core loads strictly: a fault that renames a
     tensor (``a_log_not_renamed``, ``wrong_mtp_prefix``) stops its load, naming the tensor. Rank files that do
     not fit together (``experts_not_renumbered``) are trained as Megatron's ranks hold them after their lenient
-    load (``crossalign/diagnose/ranks.py``), which needs expert_tensor equal to tensor."""
+    load (``crossalign/diagnose/ranks.py``, experts split over the layout's expert tensor size)."""
     out = Path(out)
     model = load_config(config_name).model
     layout = megatron if megatron is not None else (TP2_EP2 if model.is_moe else TP2)
@@ -88,15 +88,8 @@ def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics",
         # together (experts still under their global numbers) do not give: the whole state is the one Megatron's
         # ranks end up holding after their own loads (keys a rank cannot place keep their initial values,
         # crossalign/diagnose/ranks.py), written again in the layout so that each rank's load digest holds
-        loaded = read_as_megatron_loads(out / "converted", config.model, config.training.megatron_core_version)
-        if loaded.problems and m.expert_tensor_size != m.tensor:
-            # read_as_megatron_loads fits each rank's file to its part of the model with the experts split over
-            # the tensor ranks (expert_tensor = tensor): another expert_tensor would keep sound experts at their
-            # initial values too
-            raise ValueError(f"fault {fault}: rank files that do not fit together are read rank by rank only with "
-                             f"parallel.megatron.expert_tensor equal to tensor ({m.tensor}), not "
-                             f"{m.expert_tensor_size}: e.g. megatron={{'tensor': 1, 'expert': 2, "
-                             "'cards_per_node': 2}")
+        loaded = read_as_megatron_loads(out / "converted", config.model, config.training.megatron_core_version,
+                                        expert_tensor=m.expert_tensor_size)
         write_megatron_checkpoint(out / "as_loaded", report.iteration, loaded.state, model=config.model,
                                   tp=m.tensor, pp=m.pipeline, ep=m.expert, etp=m.expert_tensor)
         (out / "megatron_checkpoint.txt").write_text("as_loaded")
