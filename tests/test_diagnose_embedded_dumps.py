@@ -90,3 +90,14 @@ def test_a_fault_is_named_at_its_module_across_layouts(clean, fault, tmp_path):
     first = diagnosis.first_divergence
     assert (first.section, first.megatron) == ("weights", weight), diagnosis.hint()
     assert any(fault in cause.faults for cause in diagnosis.causes), diagnosis.hint()
+
+
+@pytest.mark.slow
+def test_a_renamed_tensor_stops_megatron_cores_strict_load_on_each_rank_naming_it(clean, tmp_path):
+    """a_log under its MindSpore name has no place in the TP 2 x EP 2 rank files: each rank cuts its part from the
+    one-rank file and its strict load names the key, as Megatron-LM's load does; no dump is taken."""
+    with pytest.raises(RuntimeError, match=r"does not load the checkpoint: .*missing keys: "
+                                           r"decoder\.layers\.0\.self_attention\.A_log.*unexpected keys: "
+                                           r"decoder\.layers\.0\.self_attention\.a_log"):
+        embedded_dump_pair(NAME, tmp_path / "pair", task="tensor", fault="a_log_not_renamed", npu_of=clean)
+    assert not (tmp_path / "pair" / "megatron" / "msprobe_dump").exists()
