@@ -97,9 +97,10 @@ def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics",
             write_megatron_checkpoint(out / "sharded", report.iteration, whole, model=config.model, tp=m.tensor,
                                       pp=m.pipeline, ep=m.expert, etp=m.expert_tensor)
             (out / "megatron_checkpoint.txt").write_text("sharded")
-        except CheckpointError:  # a key no rank file has a place for (a_log under its MindSpore name): each rank
-            shutil.rmtree(out / "sharded", ignore_errors=True)  # cuts its part from the one-rank file and its
-            # strict load names the key
+        except CheckpointError:
+            # a key no rank file has a place for (a_log under its MindSpore name): each rank cuts its part from the
+            # one-rank file instead, and its strict load names the key
+            shutil.rmtree(out / "sharded", ignore_errors=True)
     if in_layout:
         inject_layout_fault(out / "converted" / iteration_dir_name(report.iteration), fault, config.model,
                             m.tensor, m.pipeline, m.expert)
