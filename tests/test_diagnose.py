@@ -351,3 +351,34 @@ def test_a_converted_checkpoint_must_hold_the_layout_asked_for(tmp_path):
     with pytest.raises(SideError, match=r"holds \(tp, pp, ep\) = \(1, 1, 2\) ranks, not the \(2, 1, 2\) asked for"):
         diagnose(config, ms_ckpt, mg_ckpt, tmp_path / "out", layout=(2, 1, 2), seq=16, batch=1)
     assert not (tmp_path / "out").exists()  # refused before any forward ran
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_rank_files_that_do_not_fit_are_loaded_by_the_expert_tensor_size_they_were_written_with(etp, tmp_path):
+    """TP 2 x EP 2 with the experts whole on each tensor rank (ETP 1, Megatron's expert layout ETP x EP x EDP) or
+    split over both (ETP 2): EP rank 1's experts under their global numbers keep their initial values, EP rank 0's
+    sound experts load as written, whichever ETP the files hold."""
+    from crossalign.checkpoint.faults import inject_layout_fault
+    from crossalign.diagnose.ranks import read_as_megatron_loads
+    from crossalign.sides.megatron.checkpoint import iteration_dir_name
+
+    config = load_config("qwen35_moe_tiny")
+    model, version = config.model, config.training.megatron_core_version
+    state = random_mindformers_state(model, 5)
+    write_mindformers_checkpoint(tmp_path / "ms", 1, state, None, default_common(1, 1))
+    report = convert_checkpoint(model, "ms2mg", tmp_path / "ms", tmp_path / "mg", core_version=version, dtype="fp32",
+                                tp=2, ep=2, etp=etp)
+    whole = mindformers_to_megatron(state, model, version)
+    inject_layout_fault(tmp_path / "mg" / iteration_dir_name(report.iteration), "experts_not_renumbered", model, 2, 1, 2)
+    for expert_tensor in (etp, None):  # given, or read off the files
+        loaded = read_as_megatron_loads(tmp_path / "mg", model, version, expert_tensor=expert_tensor)
+        local = model.num_experts // 2
+        fc1 = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+        for e in range(local):  # EP rank 0: loaded as converted
+            torch.testing.assert_close(loaded.state[f"{fc1}{e}"], whole[f"{fc1}{e}"], rtol=0, atol=0)
+        for e in range(local, model.num_experts):  # EP rank 1: its files hold them under other names
+            assert not torch.equal(loaded.state[f"{fc1}{e}"], whole[f"{fc1}{e}"])
+        folders = sorted(problem.split(" ")[0] for problem in loaded.problems[1:])
+        assert folders == ["mp_rank_00_001", "mp_rank_01_001"], loaded.problems
+        assert all(f"not loaded (its part of the model has no such key): {fc1}{local}" in problem
+                   for problem in loaded.problems[1:])

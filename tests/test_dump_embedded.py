@@ -122,3 +122,34 @@ def test_the_mindspore_trainer_dumps_at_level_mix_with_the_gated_delta_rule_run_
     assert (rank.level, rank.mode) == ("mix", "md5")
     assert any(entry.is_module for entry in rank.entries.values())
     assert any(not entry.is_module and "matmul" in entry.name.lower() for entry in rank.entries.values())
+
+
+@pytest.mark.slow
+def test_megatron_core_dumps_at_level_mix_with_swiglu_unfused_and_diagnose_reads_it(tmp_path):
+    """msprobe's mix level wraps torch.nn.functional.silu, which megatron-core's fused SwiGLU refuses ("Only support
+    fusion of gelu and swiglu"): under a mix dump the MLPs run it unfused and the log says so. (The unfused MLP calls
+    the silu it was built with, not msprobe's wrapper: that one call is not among the dumped APIs.)"""
+    from crossalign.diagnose.msprobe_run import diagnose_msprobe
+    from crossalign.sides.megatron.args import UNFUSED_FOR_MIX
+
+    pair = embedded_dump_pair("qwen35_dense_tiny", tmp_path, task="statistics", level="mix")
+    gpu = read_dump(pair.gpu)
+    assert {rank.level for rank in gpu.ranks.values()} == {"mix"} and sorted(gpu.ranks) == [0, 1]
+    apis = {entry.name for rank in gpu.ranks.values() for entry in rank.entries.values() if not entry.is_module}
+    assert any("matmul" in name.lower() for name in apis), sorted(apis)[:20]
+    assert UNFUSED_FOR_MIX in (tmp_path / "megatron" / "train.log").read_text()
+    diagnosis = diagnose_msprobe(pair.npu, pair.gpu, pair.config, tmp_path / "out", precision="fp32").diagnosis
+    assert any(row.section == "forward" for row in diagnosis.rows)
+    assert any("an API call at level mix" in name for name in diagnosis.unmapped_megatron)
+
+
+def test_a_megatron_launch_dumping_at_level_mix_runs_swiglu_unfused():
+    from crossalign.config import load_config
+    from crossalign.sides.megatron.args import megatron_args, swiglu_fusion_under
+
+    config = load_config("qwen35_dense_tiny")
+    plain = megatron_args(config, data_prefix="/d", tokenizer=None, load_dir="/ckpt")
+    mix = megatron_args(config, data_prefix="/d", tokenizer=None, load_dir="/ckpt",
+                        swiglu_fusion=swiglu_fusion_under(DumpSettings(level="mix")))
+    assert "--no-bias-swiglu-fusion" not in plain and sorted(mix) == sorted([*plain, "--no-bias-swiglu-fusion"])
+    assert swiglu_fusion_under(DumpSettings(level="L0")) and swiglu_fusion_under(None)

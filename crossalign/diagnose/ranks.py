@@ -8,6 +8,11 @@ the model's initial values (``load_state_dict(strict=False)``, core_v0.16.1
 ``megatron/training/checkpointing.py``, ``load_checkpoint``'s ``strict`` fallback). The parts are
 then merged into the one model the PyTorch reference runs, so that the diagnosis shows where those
 initial values first change the output, and the load problems say which rank held which keys.
+
+A rank's part of the routed experts follows Megatron's expert layout, ETP x EP x EDP (core_v0.16.1
+``megatron/core/parallel_state.py:785-805``, the expert RankGenerator beside the dense one at :775): the
+experts are split over the expert tensor size (``expert_tensor``), not over TP, and the rank of
+tensor rank t holds expert slice t % ETP (``sides/megatron/sharding.py`` :func:`shard_tensor`).
 """
 
 from __future__ import annotations
@@ -33,8 +38,12 @@ class LoadedMegatron:
     problems: list[str] = field(default_factory=list)
 
 
-def read_as_megatron_loads(path: Path, model: ModelConfig, core_version: str) -> LoadedMegatron:
-    """The checkpoint at ``path`` merged strictly, or, when its ranks do not fit together, as each rank loads it."""
+def read_as_megatron_loads(path: Path, model: ModelConfig, core_version: str,
+                           expert_tensor: int | None = None) -> LoadedMegatron:
+    """The checkpoint at ``path`` merged strictly, or, when its ranks do not fit together, as each rank loads it.
+
+    ``expert_tensor``: the expert tensor parallel size the ranks run with (None: read off the width of the routed
+    experts' fc2 shards in the files, TP where there are none)."""
     from crossalign.sides.megatron.checkpoint import find_iteration_dir, read_megatron_checkpoint, read_rank_states
     from crossalign.sides.megatron.merge import merge_rank_states
 
@@ -51,7 +60,8 @@ def read_as_megatron_loads(path: Path, model: ModelConfig, core_version: str) ->
     layout: Layout = tuple(1 + max(rank[i] for rank in shards) for i in range(3))  # type: ignore[assignment]
     problems = [f"the ranks do not fit together ({strict_error}); each rank loaded what fits its part of the "
                 "model, as Megatron does after its strict load fails"]
-    problems += fit_ranks_to_model(shards, model, core_version, layout, directory)
+    etp = expert_tensor if expert_tensor is not None else expert_tensor_in_files(shards, model, layout[0])
+    problems += fit_ranks_to_model(shards, model, core_version, layout, directory, etp)
     try:
         state = merge_rank_states(shards, model)
     except CheckpointError as exc:
@@ -60,8 +70,23 @@ def read_as_megatron_loads(path: Path, model: ModelConfig, core_version: str) ->
     return LoadedMegatron(state, layout, "torch", problems)
 
 
-def _initial_rank_parts(model: ModelConfig, core_version: str, layout: Layout) -> dict:
-    """Each rank's part of the PyTorch reference at its initial values (the seed ``sides.build_megatron`` uses)."""
+def expert_tensor_in_files(shards: dict, model: ModelConfig, tp: int) -> int:
+    """How many ways the rank files split the routed experts: the moe_ffn width over an fc2 shard's input width
+    (TP when no rank holds a routed expert or the widths do not tell)."""
+    from crossalign.sides.megatron.sharding import routed_expert_index
+
+    for state in shards.values():
+        for key, tensor in state.items():
+            if routed_expert_index(key) is not None and ".linear_fc2." in key:
+                width = tensor.shape[-1]  # fc2 [H, i / ETP] (as sides/megatron/merge.py reads it)
+                if width and model.moe_ffn_hidden_size % width == 0 and tp % (model.moe_ffn_hidden_size // width) == 0:
+                    return model.moe_ffn_hidden_size // width
+    return tp
+
+
+def _initial_rank_parts(model: ModelConfig, core_version: str, layout: Layout, etp: int | None) -> dict:
+    """Each rank's part of the PyTorch reference at its initial values (the seed ``sides.build_megatron`` uses), the
+    routed experts split over ``etp`` tensor ranks (None: TP)."""
     from crossalign.sides.megatron.sharding import shard_tensor
     from crossalign.models.torch_model import Qwen35Model
 
@@ -69,7 +94,7 @@ def _initial_rank_parts(model: ModelConfig, core_version: str, layout: Layout) -
     initial = Qwen35Model(model, core_version=core_version).state_dict()
     parts: dict = {}
     for key, tensor in initial.items():
-        for rank, local_key, part in shard_tensor(key, tensor, model, *layout):
+        for rank, local_key, part in shard_tensor(key, tensor, model, *layout, etp):
             parts.setdefault(rank, {})[local_key] = part
     return parts
 
@@ -81,15 +106,16 @@ def _some(keys: list[str], shown: int = 8) -> str:
 
 
 def fit_ranks_to_model(shards: dict, model: ModelConfig, core_version: str, layout: Layout,
-                       directory: Path) -> list[str]:
+                       directory: Path, etp: int | None = None) -> list[str]:
     """Make every rank's state in ``shards`` hold exactly its part of the model, in place, as a lenient load does:
-    keys it lacks or holds misshaped take the initial values, keys its part does not have are dropped. Returns one
-    line per rank that did not fit, naming its folder and the keys."""
+    keys it lacks or holds misshaped take the initial values, keys its part does not have are dropped. The routed
+    experts are split over ``etp`` tensor ranks (None: TP). Returns one line per rank that did not fit, naming its
+    folder and the keys."""
     from crossalign.sides.megatron.checkpoint import rank_dir_name
     from crossalign.models.layout import unstack_expert_weights
 
     tp, pp, ep = layout
-    expected = _initial_rank_parts(model, core_version, layout)
+    expected = _initial_rank_parts(model, core_version, layout, etp)
     local_experts = model.num_experts // ep if model.is_moe else None
     problems = []
     for rank in sorted(shards, key=lambda r: (r[1], r[2], r[0])):

@@ -17,6 +17,7 @@ from crossalign.config import AlignmentConfig, MegatronParallel
 from crossalign.versions import version_tuple
 from crossalign.data.settings import SampleOrderSettings
 from crossalign.config import TrainingConfig
+from crossalign.dump_settings import DumpSettings
 
 
 
@@ -68,6 +69,26 @@ def parallel_args(layout: MegatronParallel, moe: bool) -> list[str]:
     return args
 
 
+UNFUSED_FOR_MIX = ("crossalign: msprobe dump at level mix: the MLPs run SwiGLU unfused (bias_activation_fusion off, "
+                   "as --no-bias-swiglu-fusion): msprobe wraps torch.nn.functional.silu, which megatron-core's fused "
+                   "SwiGLU path refuses")
+
+
+def swiglu_fusion_under(dump: DumpSettings | None) -> bool:
+    """Whether the MLPs may fuse SwiGLU (Megatron-LM's default, ``--bias-swiglu-fusion``) under ``dump``: not at
+    level mix.
+
+    At mix (and L1) msprobe's ``start()`` replaces each API it dumps by a wrapper, ``torch.nn.functional.silu``
+    among them (``msprobe/core/dump/service.py:84-85,366-369`` -> ``core/dump/api_dump/api_registry.py:205-235``
+    ``register_all_api``/``set_api_attr``; ``silu`` under ``functional`` in
+    ``pytorch/dump/api_dump/support_wrap_ops.yaml:93``). megatron-core takes the fused path only where the
+    activation it was built with ``== F.silu`` at call time (core_v0.16.1 ``megatron/core/transformer/mlp.py:195-213``,
+    ``transformer/moe/shared_experts.py:196-210``), which the wrapper no longer is: ``ValueError: Only support
+    fusion of gelu and swiglu``. Unfused, the MLP calls the activation it was built with (``mlp.py:214-229``): the
+    same forward values (silu(gate) * up); the backward is autograd's instead of the fused ``swiglu_back``."""
+    return dump is None or dump.level != "mix"
+
+
 def megatron_args(
     config: AlignmentConfig,
     *,
@@ -78,6 +99,7 @@ def megatron_args(
     nproc: int | None = None,
     train_iters: int | None = None,
     data_cache_dir: Path | str | None = None,
+    swiglu_fusion: bool = True,
 ) -> list[str]:
     """The ``pretrain_gpt.py`` arguments for this config (SPEC section 8), dense or MoE.
 
@@ -88,6 +110,7 @@ def megatron_args(
     GPUs it leaves run data parallel.
     Without ``data_cache_dir`` Megatron writes its index cache next to the data
     (``<data_prefix_dir>/cache/GPTDataset_indices``, megatron_dataset.py), i.e. into the shared store.
+    ``swiglu_fusion`` False adds ``--no-bias-swiglu-fusion`` (an msprobe dump at level mix: :func:`swiglu_fusion_under`).
     """
     m, t, layout = config.model, config.training, config.parallel.megatron
     iters = train_iters or t.train_iters
@@ -192,6 +215,8 @@ def megatron_args(
         args.append("--bf16")
     if t.deterministic:
         args.append("--deterministic-mode")
+    if not swiglu_fusion:
+        args.append("--no-bias-swiglu-fusion")
     if load_dir is not None:
         args += ["--load", str(load_dir), "--finetune", "--no-load-optim", "--no-load-rng",
                  "--exit-on-missing-checkpoint"]

@@ -46,7 +46,7 @@ from crossalign.config import AlignmentConfig
 from crossalign.dump_settings import CONFIG_FILE, msprobe_import_check, write_msprobe_config
 from crossalign.patching import PATCH_DIR, megatron_core_version
 from crossalign.versions import version_tuple
-from crossalign.sides.megatron.args import megatron_args
+from crossalign.sides.megatron.args import megatron_args, swiglu_fusion_under
 from crossalign.sides.megatron.log_checks import parse_iteration_line, verify_megatron_log
 from crossalign.sides.megatron.load_digest import LOAD_DIGEST_DIR, verify_load_digest
 from crossalign.tensorio.errors import LoadDigestError
@@ -281,7 +281,8 @@ class MegatronBackend(FrameworkBackend):
             load_dir=request.init_checkpoint.absolute(),
             save_dir=request.checkpoint_dir.absolute() if request.save else None,
             train_iters=request.iterations,
-            data_cache_dir=request.output_dir.absolute() / DATA_CACHE_DIR)
+            data_cache_dir=request.output_dir.absolute() / DATA_CACHE_DIR,
+            swiglu_fusion=swiglu_fusion_under(request.dump))
         request.output_dir.mkdir(parents=True, exist_ok=True)
         (request.output_dir / ARGS_FILE).write_text("\n".join(args) + "\n")
         if request.dump is not None:

@@ -10,6 +10,9 @@ the gloo group (0 for a one-process run, which has no group).
 
 msprobe's debugger is one per process (``msprobe/core/dump/debugger/precision_debugger.py:27-38``, a singleton
 that keeps its first config), which the embedded trainer's spawned ranks are.
+
+At level ``mix`` the MLPs run SwiGLU unfused, as the Megatron-LM launch dumping at mix does with
+``--no-bias-swiglu-fusion`` (why: ``sides/megatron/args.py`` :func:`swiglu_fusion_under`).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from crossalign.models.layout import mtp_layer_prefix
+from crossalign.tensorio.errors import CheckpointError
 from crossalign.tensorio.mismatch import key_mismatches
 from crossalign.sides.megatron.te_local import layer_renames
 from crossalign.config import MegatronParallel, ModelConfig, TrainingConfig
@@ -51,9 +52,9 @@ def layer_specs_module():
 
 
 def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bool = False,
-                       layout: MegatronParallel | None = None, device: str = "cpu"):
+                       layout: MegatronParallel | None = None, device: str = "cpu", swiglu_fusion: bool = True):
     """The TransformerConfig of the generated Megatron arguments (fp32 unless ``bf16``) in ``layout``
-    (None: one process), for the CPU."""
+    (None: one process), for the CPU; ``swiglu_fusion`` False: as with ``--no-bias-swiglu-fusion``."""
     from megatron.core.transformer import TransformerConfig
 
     layout = layout or MegatronParallel()
@@ -88,7 +89,7 @@ def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bo
         layernorm_zero_centered_gamma=model.norm_convention == "zero_centred",
         # --swiglu; Megatron-LM's bias_swiglu_fusion is on unless --no-bias-swiglu-fusion (core_v0.16.1
         # megatron/training/arguments.py:1335, :2038): its fused swiglu rounds in bf16 as the GPU run does
-        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=True,
+        gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=swiglu_fusion,
         # Megatron-LM copies args.attention_softmax_in_fp32, False without --attention-softmax-in-fp32 or
         # --apply-query-key-layer-scaling (arguments.py:1083-1085, :1320-1322, :2192), not the dataclass's True
         attention_softmax_in_fp32=False,
@@ -126,14 +127,15 @@ def transformer_config(model: ModelConfig, training: TrainingConfig, *, bf16: bo
 
 
 def build_gpt_model(model: ModelConfig, training: TrainingConfig, *, bf16: bool = False,
-                    layout: MegatronParallel | None = None, device: str = "cpu"):
+                    layout: MegatronParallel | None = None, device: str = "cpu", swiglu_fusion: bool = True):
     """megatron-core's GPTModel with the shared Qwen3.5 layer specs (local modules), as gpt_builder builds it:
     this process's pipeline stage and tensor/expert shard of it, in megatron-core's initialised parallel state."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     specs = layer_specs_module()
-    config = transformer_config(model, training, bf16=bf16, layout=layout, device=device)
+    config = transformer_config(model, training, bf16=bf16, layout=layout, device=device,
+                                swiglu_fusion=swiglu_fusion)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return GPTModel(
@@ -190,8 +192,13 @@ def shard_state(state: Mapping[str, torch.Tensor], model: ModelConfig, shard: Sh
         return dict(state)
     mine = {}
     for key, tensor in state.items():
-        for rank, local_key, part in shard_tensor(key, tensor, model, layout.tensor, layout.pipeline,
-                                                   layout.expert, layout.expert_tensor_size):
+        try:
+            placed = shard_tensor(key, tensor, model, layout.tensor, layout.pipeline, layout.expert,
+                                  layout.expert_tensor_size)
+        except CheckpointError:  # a key the model has no such tensor for (a_log under its MindSpore name): kept
+            mine[key] = tensor  # whole, so that the strict load names it unexpected, as Megatron's load does
+            continue
+        for rank, local_key, part in placed:
             if rank == shard.rank:
                 mine[local_key] = part
     return mine

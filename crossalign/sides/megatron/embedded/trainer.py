@@ -47,7 +47,7 @@ from crossalign.sides.megatron.embedded import device as devices
 from crossalign.sides.megatron.embedded.torch_trainer import (IterationStats, MegatronLogLines, TrainingError, _datetime_line,
                                                      _step_metrics, deterministic_training_threads, emit_setup_done,
                                                      megatron_log, megatron_lr)
-from crossalign.sides.megatron.args import sample_order
+from crossalign.sides.megatron.args import UNFUSED_FOR_MIX, sample_order, swiglu_fusion_under
 from crossalign.sides.megatron.embedded.dump import IterationDump
 from crossalign.dump_settings import CONFIG_FILE, write_msprobe_config
 
@@ -97,7 +97,8 @@ def _build(request: TrainRequest, state: Mapping[str, torch.Tensor], device: str
     bf16 = training.embedded_precision == "bf16"
     layout = config.parallel.megatron
     with devices.cpu_only(device, CudaLiteralsToCpu()):
-        net = build_gpt_model(config.model, training, bf16=bf16, layout=layout, device=device)
+        net = build_gpt_model(config.model, training, bf16=bf16, layout=layout, device=device,
+                              swiglu_fusion=swiglu_fusion_under(request.dump))
     shard = Shard.of_this_process(layout)
     load_converted_state(net, state, config.model, training.megatron_core_version, shard)
     if layout.world_size == 1:
@@ -287,6 +288,8 @@ def _train_rank(request: TrainRequest, state: Mapping[str, torch.Tensor], checkp
     log = megatron_log(request.log_path, training.seed, layout) if prints else contextlib.nullcontext(lambda _: None)
     with deterministic_training_threads(), log as emit, devices.on_device(device, training.seed, group):
         emit(f"building GPT model ... ({IMPLEMENTATION}, local modules on {device.upper()})")
+        if not swiglu_fusion_under(request.dump):
+            emit(UNFUSED_FOR_MIX)
         emit(f" loading checkpoint from {request.init_checkpoint} at iteration {checkpoint_iteration}")
         ddp, optimizer, scheduler = _build(request, state, device)
         if group is not None:
