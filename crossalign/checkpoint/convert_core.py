@@ -92,11 +92,16 @@ def reused_reads(source) -> Fetch:
     sound only when a rule's outputs, which may be views of its inputs, are consumed before
     the next rule reads: as when they are streamed into a file.
     """
+    return reused_buffer_reads(lambda key, buffer: source.tensor(key, buffer=buffer))
+
+
+def reused_buffer_reads(read: Callable[[str, ReusedBuffer], torch.Tensor]) -> Fetch:
+    """A ``Fetch`` that calls ``read(key, buffer)`` for a rule's i-th input with buffer i, kept from rule to rule."""
     buffers: list[ReusedBuffer] = []
 
     def fetch(keys: tuple[str, ...]) -> list[torch.Tensor]:
         buffers.extend(ReusedBuffer() for _ in range(len(keys) - len(buffers)))
-        return [source.tensor(key, buffer=buffer) for key, buffer in zip(keys, buffers)]
+        return [read(key, buffer) for key, buffer in zip(keys, buffers)]
     return fetch
 
 

@@ -22,6 +22,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from crossalign.checkpoint.convert_core import reused_buffer_reads
 from crossalign.checkpoint.rules import PlacedRule, Rule, TransposeExperts
 from crossalign.sides.mindformers.checkpoint import MindFormersCheckpoint
 from crossalign.tensorio.blocks import ReusedBuffer, RowBlocks
@@ -95,7 +96,6 @@ def chunk_of(key: str) -> tuple[str, int, int] | None:
 def chunked_reads(source: MindFormersCheckpoint, num_experts: int):
     """A ``Fetch`` of a MindFormers checkpoint that reads a chunk's experts only (each input into a buffer kept from
     rule to rule, as ``convert_core.reused_reads``); a key of a whole tensor reads the tensor."""
-    buffers: list[ReusedBuffer] = []
 
     def read(key: str, buffer: ReusedBuffer) -> torch.Tensor:
         chunk = chunk_of(key)
@@ -116,10 +116,7 @@ def chunked_reads(source: MindFormersCheckpoint, num_experts: int):
             read_into(handle, file, f"{name} experts {first}..{stop - 1}", target)
         return target
 
-    def fetch(keys: tuple[str, ...]) -> list[torch.Tensor]:
-        buffers.extend(ReusedBuffer() for _ in range(len(keys) - len(buffers)))
-        return [read(key, buffer) for key, buffer in zip(keys, buffers)]
-    return fetch
+    return reused_buffer_reads(read)
 
 
 def joined_chunks(outputs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | RowBlocks]]:

@@ -12,7 +12,6 @@ folder. (A whole Trainer.train() needs NPU kernels; the method is called on a st
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -22,18 +21,14 @@ from types import SimpleNamespace
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mindformers_driver import _log_to, _unlog, build  # noqa: E402
+from mindformers_driver import _log_to, _unlog, build, patched_trainer  # noqa: E402
 
 
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     from mindformers.checkpoint.checkpoint import load_checkpoint
 
-    import mindformers.pynative.trainer  # noqa: F401 - the package the patched file's relative imports resolve in
-
-    spec = importlib.util.spec_from_file_location("mindformers.pynative.trainer.crossalign_patched", job["trainer"])
-    patched = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patched)
+    patched = patched_trainer(job["trainer"])
     model = yaml.safe_load(Path(job["yaml"]).read_text())["model"]
     written = {}
     for name, case in job["cases"].items():

@@ -87,6 +87,19 @@ def public(model: dict) -> dict:
     return {key: value for key, value in model.items() if key not in FORK_ONLY}
 
 
+def patched_trainer(path: str):
+    """The patched trainer.py at ``path``, imported as a module of MindFormers' pynative trainer package (where its
+    relative imports resolve)."""
+    import importlib.util
+
+    import mindformers.pynative.trainer  # noqa: F401 - the package the patched file's relative imports resolve in
+
+    spec = importlib.util.spec_from_file_location("mindformers.pynative.trainer.crossalign_patched", path)
+    patched = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patched)
+    return patched
+
+
 def build(model: dict, log: Path):
     """MindFormers' pynative GPTModel for the model section, as PyNativeQwen3ForCausalLM builds it."""
     from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, \

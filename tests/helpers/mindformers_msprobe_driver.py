@@ -11,7 +11,6 @@ crossalign's stand-in (``crossalign/sides/mindformers/dump.py``), which an NPU r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ from types import SimpleNamespace
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mindformers_driver import convert, public  # noqa: E402
+from mindformers_driver import convert, patched_trainer, public  # noqa: E402
 
 
 def main() -> None:
@@ -31,12 +30,9 @@ def main() -> None:
     from mindformers.pynative.layers.linear import Linear
     from mindformers.pynative.transformers.mlp import MLP, MLPSubmodules
 
-    import mindformers.pynative.trainer  # noqa: F401 - the package the patched file's relative imports resolve in
     from crossalign.sides.mindformers.dump import msprobe_norm_on_cpu
 
-    spec = importlib.util.spec_from_file_location("mindformers.pynative.trainer.crossalign_patched", job["trainer"])
-    patched = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patched)
+    patched = patched_trainer(job["trainer"])
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
     model = public({**yaml.safe_load(Path(job["yaml"]).read_text())["model"], "compute_dtype": "float32"})
     mlp = MLP(convert(model, Path(job["log"])), MLPSubmodules(linear_fc1=Linear, linear_fc2=Linear))
