@@ -1,8 +1,8 @@
 """Pins the tensors that ms2mg and mg2ms write today, so a rewrite of the conversion paths stays bit-exact.
 
-The digests below were produced once with the in-memory/streaming code of commit 5e6384f by
-running this file's ``_digests`` helpers (``PIN_PRINT=1 pytest tests/test_checkpoint_convert_pins.py -s``
-prints them). Each digest is sha256 over the sorted keys of one output, each key's name, dtype,
+The digests below were produced with the conversion code of commit 7ca8fb6 (``PIN_PRINT=1 pytest
+tests/test_checkpoint_convert_pins.py -s`` prints them), from a source whose bits are the same on every machine
+(``helpers/portable_state.py``: torch's CPU ``normal_`` differs in its last bits between vector instruction sets). Each digest is sha256 over the sorted keys of one output, each key's name, dtype,
 shape and raw bytes: tensor contents, not file bytes, so a different but equivalent file writer
 still matches. Layouts: ms2mg into TP 2 x PP 2 x EP 2 (legacy torch files), mg2ms back from that
 layout, and mg2ms from a torch_dist checkpoint.
@@ -19,8 +19,8 @@ import torch
 
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.config import load_config
-from crossalign.models.layout import random_mindformers_state
 from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from tests.helpers.portable_state import portable_mindformers_state
 
 MOE = load_config("qwen35_moe_tiny").model
 
@@ -47,7 +47,7 @@ def _mindformers_digest(out: Path) -> str:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     root = tmp_path_factory.mktemp("ms")
-    write_mindformers_checkpoint(root, 4, random_mindformers_state(MOE, seed=21), None, default_common(4, 4))
+    write_mindformers_checkpoint(root, 4, portable_mindformers_state(MOE, seed=21), None, default_common(4, 4))
     return root
 
 
@@ -57,17 +57,17 @@ def _show(name, value):
 
 
 PINS_MS2MG_TP2_PP2_EP2: dict[str, str] = {
-    "mp_rank_00_000_000": "33650e63ae6091e618d19a2cce7aca2ba2199a88c83da35829c2c2f910786d71",
-    "mp_rank_00_000_001": "239c02b16c4be8590b15d903ad94a1d88eb85b67ea0635c3b1c5728b78df9e20",
-    "mp_rank_00_001_000": "f05a90da81405c3f2b18fb7102a3c93e4c33e49905131c07aa7ef0dd7819e109",
-    "mp_rank_00_001_001": "56af6717357d7446ce632dd4cf49069c8190f520a6fae7af6e34645169b6134f",
-    "mp_rank_01_000_000": "89b750058cc3d1845a95b10cd87c7ed79536c72fcb5c6aea01b8c84ef042d2fc",
-    "mp_rank_01_000_001": "4e06b1a90f4f030508558d0002550b3dadc7aaa87f6d02b9081ac3ab7dae8718",
-    "mp_rank_01_001_000": "451c5db2b3671614c73d195129c76a21cfcab8a93a989fb05734c993b120d4ca",
-    "mp_rank_01_001_001": "11a716b09cf2f24d81168288f6b62e984897236540c94205fe597b1d8b7598c4",
+    "mp_rank_00_000_000": "036094f236589daaf4ef5b5de436f942c3ab0b328880e97369ee7661572d2a52",
+    "mp_rank_00_000_001": "4fb43b0b7526bfe8b59cf924d6a688f61b47556bafbf6bebe24c28abbe7def76",
+    "mp_rank_00_001_000": "18bb0890d582420e579cb412a075bd7b79f2c3ea6a1c794dea1383c4f3676531",
+    "mp_rank_00_001_001": "c29ae1d2e4ba5a820740856f9760020039f23a8f37b1404aa8b0229acc895864",
+    "mp_rank_01_000_000": "5a37ed1d99730ed4b8228b90bda0521f95760b1f2eca77b882e6b047b2b77e6a",
+    "mp_rank_01_000_001": "3683a7a3c2ba0fc3f07d1896d592675f27238b914328cff22a27cb2f6cd2f1a1",
+    "mp_rank_01_001_000": "c762ad037792117a27af2067f60846b9d1a05d96ffac80c40b8025cf2c264c76",
+    "mp_rank_01_001_001": "8c5d1bedf9c8b2b25f77bf1da09138bd5074249d6675742af7267ac4041605e4",
 }
-PIN_MG2MS_FROM_TP2_PP2_EP2 = "36e1762f1d082e47ad65c8a8eb8f5578df164bde1cbb71bf5dc59ddd09da9602"  # the same as from torch_dist
-PIN_MG2MS_FROM_TORCH_DIST = "36e1762f1d082e47ad65c8a8eb8f5578df164bde1cbb71bf5dc59ddd09da9602"
+PIN_MG2MS_FROM_TP2_PP2_EP2 = "fcdb68262d4bd46b6f2f2fb8ff61891d7db90ca976adbcd69e8b20b65ce7e86c"  # the same as from torch_dist
+PIN_MG2MS_FROM_TORCH_DIST = "fcdb68262d4bd46b6f2f2fb8ff61891d7db90ca976adbcd69e8b20b65ce7e86c"
 
 
 def test_ms2mg_into_tp2_pp2_ep2_and_back_is_bit_exact(tmp_path, source):

@@ -1,9 +1,9 @@
 """The conversion rules' outputs, pinned: ms2mg, mg2ms and the HF import keep their exact tensor contents.
 
 The digests below are tensor-content digests (key, dtype, shape and bytes of every output tensor, in key
-order) of the conversion of the seeded tiny checkpoints, computed with the rule tables as they stood before
-the MindFormers / Megatron / Hugging Face rules were merged into one table. A change to any rule's
-transform, key or output order shows here.
+order) of the conversion of the seeded tiny checkpoints, computed with the conversion code of commit 7ca8fb6.
+The values of both sources are ``helpers/portable_state.py``'s, whose bits are the same on every machine.
+A change to any rule's transform, key or output order shows here.
 """
 
 import hashlib
@@ -11,43 +11,43 @@ import hashlib
 import pytest
 import torch
 from helpers.hf_tiny import make_hf_checkpoint
+from helpers.portable_state import portable_mindformers_state, portable_values
 
 from crossalign.checkpoint.convert import convert_state
 from crossalign.checkpoint.hf import read_hf_checkpoint
 from crossalign.config import load_config
-from crossalign.models.layout import random_mindformers_state
 
 CONFIGS = {"dense": load_config("qwen35_dense_tiny").model, "moe": load_config("qwen35_moe_tiny").model}
 
-# computed with the code before the rule tables were merged; see the module docstring
+# see the module docstring
 DIGESTS = {
     "dense": {
-        "ms2mg/0.16.1/per_expert": "ac18d3e2235c4eabe0291350a93b63094b188b8d5b148a0749ddb7c696e9c7c0",
-        "mg2ms/0.16.1/per_expert": "948d031c7a3d4d5b9a5a30887d6d065ab6d15a028263b6f4379c8c19d568612d",
-        "ms2mg/0.16.1/stacked": "ac18d3e2235c4eabe0291350a93b63094b188b8d5b148a0749ddb7c696e9c7c0",
-        "mg2ms/0.16.1/stacked": "948d031c7a3d4d5b9a5a30887d6d065ab6d15a028263b6f4379c8c19d568612d",
-        "ms2mg/0.17.0/per_expert": "3f8288c6c51d0b11659a8fd5627d16fa082f398dc936e75f2ecacc9de99f60de",
-        "mg2ms/0.17.0/per_expert": "948d031c7a3d4d5b9a5a30887d6d065ab6d15a028263b6f4379c8c19d568612d",
-        "ms2mg/0.17.0/stacked": "3f8288c6c51d0b11659a8fd5627d16fa082f398dc936e75f2ecacc9de99f60de",
-        "mg2ms/0.17.0/stacked": "948d031c7a3d4d5b9a5a30887d6d065ab6d15a028263b6f4379c8c19d568612d",
-        "hf2mg/0.16.1/stacked": "2a6bf2603721154fbd4b5c64f225b9ec5d6516e6a06e522dcfa599b3e83873dd",
-        "hf2mg/0.17.0/per_expert": "54152318875a61781baee724a0d12ed79d95bab9b2e2c074ca6ccb6d85b920d4",
-        "hf2ms": "31b756625eb4e5580755a575e220502abdd51b09df8d5e476f4a90a9527a0d6b",
-        "mg2hf": "13a9a7ca5b2d53b76694adb4deac7a479624e11f434b3e9eba6f5b153ba6a5ae",
+        "ms2mg/0.16.1/per_expert": "a3cd99b12277695696367e381c64580bd1d73a7d9ce4b93838344bdd29b80a88",
+        "mg2ms/0.16.1/per_expert": "53184d6400ff7ea89e45b06e40aeef6dc97be198b6346a68bbf916bf05619198",
+        "ms2mg/0.16.1/stacked": "a3cd99b12277695696367e381c64580bd1d73a7d9ce4b93838344bdd29b80a88",
+        "mg2ms/0.16.1/stacked": "53184d6400ff7ea89e45b06e40aeef6dc97be198b6346a68bbf916bf05619198",
+        "ms2mg/0.17.0/per_expert": "d6762b4817f322f2ebc90f846366a1bd46b01a42c8360f38521f811949809fa3",
+        "mg2ms/0.17.0/per_expert": "53184d6400ff7ea89e45b06e40aeef6dc97be198b6346a68bbf916bf05619198",
+        "ms2mg/0.17.0/stacked": "d6762b4817f322f2ebc90f846366a1bd46b01a42c8360f38521f811949809fa3",
+        "mg2ms/0.17.0/stacked": "53184d6400ff7ea89e45b06e40aeef6dc97be198b6346a68bbf916bf05619198",
+        "hf2mg/0.16.1/stacked": "e8f9f2f9a343483d0776343e5642f7f6dde8577e5f97f33f98c7de6501f77d60",
+        "hf2mg/0.17.0/per_expert": "48c24bf364ff02764006704fbf1b752293923da275bcd7e2c32e9cb8f4b4503a",
+        "hf2ms": "331e53548b608e5dbe3f490fbdaeb252412290331cdd631d80a777d4d8738f93",
+        "mg2hf": "dc3f16569da8e88611e4132c91892bca09deae18a8f5bd48c1e5ca7c2f193c8d",
     },
     "moe": {
-        "ms2mg/0.16.1/per_expert": "d2efe3a317b87e9986fac3f28998153fb19ab72055e54878a5b622c8eed76298",
-        "mg2ms/0.16.1/per_expert": "95afd6cf137579b61ce61158a5a0a20c71d91e34ba04718fcacdb865ceb1fa40",
-        "ms2mg/0.16.1/stacked": "5105be329703c2c9b466c51bbbe7a2d41df7e59ff02b367c9e0e271fc1209329",
-        "mg2ms/0.16.1/stacked": "95afd6cf137579b61ce61158a5a0a20c71d91e34ba04718fcacdb865ceb1fa40",
-        "ms2mg/0.17.0/per_expert": "b504f82231731baabcef61fcda7dd371690b74801122003cccdcecf8b44c023b",
-        "mg2ms/0.17.0/per_expert": "95afd6cf137579b61ce61158a5a0a20c71d91e34ba04718fcacdb865ceb1fa40",
-        "ms2mg/0.17.0/stacked": "a3e4eb9efeb42820c729c9f043bde2cc424427796f13cd64dcfe99465dda5c78",
-        "mg2ms/0.17.0/stacked": "95afd6cf137579b61ce61158a5a0a20c71d91e34ba04718fcacdb865ceb1fa40",
-        "hf2mg/0.16.1/stacked": "157fcaea0cc226e8654eb8a82314acad2b50ab4735bf20a3290ed9f65f989669",
-        "hf2mg/0.17.0/per_expert": "fcf8e45c605d14b7be16c2033abf44c1a5500391792897f847f7bddaa690ef20",
-        "hf2ms": "e93ccec458eb18906f13da6abd3771b7001c867419de953700745c411715fc40",
-        "mg2hf": "3ebcd13b03c46baf8a534bf1d83be138ef524b0a6b673b8eaa7c79808b1b6ccc",
+        "ms2mg/0.16.1/per_expert": "ca17c39983b8fed78a6498c380a79422bcadfc5a954c07f1c342d58a200bd806",
+        "mg2ms/0.16.1/per_expert": "4d86a46253fa55572ffecfef0dd9884609564df833e37ce358fc6d9e6f730c5b",
+        "ms2mg/0.16.1/stacked": "0070b9153165ff3c29f9e9223a415df3f1d4d2a3eeb59eceeccb76b5eacef95e",
+        "mg2ms/0.16.1/stacked": "4d86a46253fa55572ffecfef0dd9884609564df833e37ce358fc6d9e6f730c5b",
+        "ms2mg/0.17.0/per_expert": "adc196d7dd3170b910cee06e10f826d2d6e493b858dfa7b0c3be69c7c1d0bd85",
+        "mg2ms/0.17.0/per_expert": "4d86a46253fa55572ffecfef0dd9884609564df833e37ce358fc6d9e6f730c5b",
+        "ms2mg/0.17.0/stacked": "97ca5fe8ee3de3a57d16c3e158d660ed8973022c085dff666c43b70df9894452",
+        "mg2ms/0.17.0/stacked": "4d86a46253fa55572ffecfef0dd9884609564df833e37ce358fc6d9e6f730c5b",
+        "hf2mg/0.16.1/stacked": "d3510b0139866457fc2e5aaaa9361078b24aaec92159137a550f52c21b019029",
+        "hf2mg/0.17.0/per_expert": "4a712316e620b00f931fc2d89274ca740127111a025c8eceadbec77b583d81e2",
+        "hf2ms": "62aa110fc6d707f73699bc26380af34324bbc51a4d14ae9155bbb9a46c4bbe22",
+        "mg2hf": "894c64b1932acc77325ae375f31b04cec4cc192522c3a81578966e8a7a5c136a",
     },
 }
 
@@ -63,7 +63,7 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 
 def _outputs(kind: str, tmp_path) -> dict[str, str]:
     model = CONFIGS[kind]
-    ms = random_mindformers_state(model, seed=21)
+    ms = portable_mindformers_state(model, seed=21)
     out = {}
     for core in ("0.16.1", "0.17.0"):
         for experts in ("per_expert", "stacked"):
@@ -71,7 +71,7 @@ def _outputs(kind: str, tmp_path) -> dict[str, str]:
             out[f"ms2mg/{core}/{experts}"] = _digest(mg)
             out[f"mg2ms/{core}/{experts}"] = _digest(convert_state(mg, model, "mg2ms", core))
     source = read_hf_checkpoint(make_hf_checkpoint(tmp_path / "hf", kind))
-    hf = {key: source.tensor(key) for key in source.entries}
+    hf = portable_values({key: source.tensor(key) for key in source.entries}, seed=22)
     hf_mg = convert_state(hf, model, "hf2mg", "0.16.1", "stacked")
     out["hf2mg/0.16.1/stacked"] = _digest(hf_mg)
     out["hf2mg/0.17.0/per_expert"] = _digest(convert_state(hf, model, "hf2mg", "0.17.0", "per_expert"))
