@@ -170,7 +170,6 @@ def test_kernel_tolerances_hold_what_each_kernel_was_measured_at(gpu_check):
     assert 1.46e-3 < fla <= 5e-3 and "TF32" in why and "benchmarks/fla_tf32.py" in why
     megatron, _ = gpu_check.kernel_tolerance(True, "fp32")
     assert 6.6e-7 < megatron <= 1e-5
-    assert all(reason for _, reason in gpu_check.KERNEL_TOLERANCES.values())
-    assert {precision for _, precision in gpu_check.KERNEL_TOLERANCES} == {"fp32", "bf16"}
+    assert not hasattr(gpu_check, "KERNEL_TOLERANCES")  # the kernel probe's table, stated once
     h200 = gpu_check.Check("fla fp32", 1.0, 1.0, fla, 1.46e-3, why)
     assert h200.ok and why in h200.line()
