@@ -147,7 +147,11 @@ def test_no_te_on_cpu_prints_its_own_figures(gpu_check, prepared, tmp_path: Path
     assert "[2/6] GPU environment check (embedded side" in out
     assert ("kernels that ran: delta_rule megatron.core torch_chunk_gated_delta_rule, l2norm torch l2norm "
             "(mcore_cpu), conv1d torch conv1d") in out
+    assert "kernel probe before the cpu bf16 training, against the fp32 reference:" in out
     summary = json.loads((tmp_path / "work" / "gpu_check.json").read_text())
+    probed = summary["kernel_probe"]
+    assert set(probed) == {"cpu bf16", "cpu fp32"} and all(len(lines) == 11 for lines in probed.values())
+    assert all(line.startswith("[ok  ]") and f"    {line}" in out for lines in probed.values() for line in lines)
     compared = json.loads((tmp_path / "work" / "compare" / "summary.json").read_text())
     assert summary["ok"] and summary["compare"]["verdict"] == compared["verdict"] == "pass"
     lm = compared["series"]["lm_loss"]

@@ -233,8 +233,9 @@ def test_the_four_fla_cases_as_their_releases_behave(tmp_path, monkeypatch):
     no route (refused), with one: the route (ok); torch 2.12.0's Triton 3.7.0 (torch 2.12.0's METADATA:
     Requires-Dist triton==3.7.0; platform_system == "Linux") with fla 0.6.0: in the bad range (refused)."""
     held = _hold_the_table({"0.4.2": [_case("3.6.0", tilelang=True, nvcc="PATH")], "0.5.1": [_case("3.7.1")],
-                            "0.6.0": [_case("3.7.0"), _case("3.6.0", tilelang=True)]}, tmp_path, monkeypatch)
-    assert held == 4
+                            "0.6.0": [_case("3.7.0"), _case("3.6.0", tilelang=True), _case("3.7.1rc1")]},
+                           tmp_path, monkeypatch)
+    assert held == 5  # and 3.7.1rc1 is below 3.7.1, as fla compares versions
     refused = {(env.fla, env.triton, env.tilelang) for env in (
         GpuEnvironment(**{**H200, "fla": "0.4.2", "triton": "3.6.0", "tilelang": "0.1.6", "nvcc": True}),
         GpuEnvironment(**{**H200, "fla": "0.5.1", "triton": "3.7.1", "nvcc": True}),
@@ -273,5 +274,6 @@ def test_the_table_against_every_release_on_a_grid(tmp_path, monkeypatch):
              _case("3.6.0", tilelang=True, nvcc="PATH", fla_settings=(("FLA_DISABLE_BACKEND_DISPATCH", "1"),)),
              _case("3.6.0", device=AMPERE, tilelang=True, nvcc="PATH", fla_settings=(("FLA_TILELANG", "1"),))]
     grid += [_case("3.6.0", tilelang=True, nvcc=place) for place in NVCC_PLACES]
+    grid += [_case(triton, tilelang=tilelang) for triton in ("3.4.0rc1", "3.7.1rc1") for tilelang in (False, True)]
     held = _hold_the_table({version: grid for version in RELEASES}, tmp_path, monkeypatch, processes=2)
     assert held == len(grid) * len(RELEASES)

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Mapping
 
+from packaging.version import Version
+
 from crossalign.preflight import gpu_env_read
 from crossalign.versions import version_tuple
 
@@ -108,8 +110,9 @@ def _between(version: str, low: tuple[int, int, int], high: tuple[int, int, int]
 
 
 # Triton's miscompile of fla's gated chunk_bwd_dqkwg on Hopper: wrong dq, dk, dw and dg, without a word
-# (fla-org/flash-linear-attention#640), fixed in Triton 3.7.1 (#983: fla-core 0.5.2 narrowed its guard to it)
-TRITON_MISCOMPILES = ((3, 4, 0), (3, 7, 1))
+# (fla-org/flash-linear-attention#640), fixed in Triton 3.7.1 (#983: fla-core 0.5.2 narrowed its guard to it).
+# Versions are compared as fla compares them (packaging's Version: 3.7.1rc1 is below 3.7.1).
+TRITON_MISCOMPILES = (Version("3.4.0"), Version("3.7.1"))
 
 
 @dataclass(frozen=True)
@@ -124,26 +127,26 @@ class FlaRelease:
     ``guard``: the Triton versions [low, high) for which the Triton path raises on a Hopper GPU (None: no guard;
     high None: every later Triton)."""
 
-    low: tuple[int, int, int]
-    high: tuple[int, int, int] | None
+    low: Version
+    high: Version | None
     dispatch: bool
     tilelang_needs: str | None
     tilelang_default: str | None
-    guard: tuple[tuple[int, int, int], tuple[int, int, int] | None] | None
+    guard: tuple[Version, Version | None] | None
     source: str
 
 
 FLA_RELEASES = (
-    FlaRelease((0, 0, 0), (0, 5, 0), False, None, None, None,
+    FlaRelease(Version("0"), Version("0.5.0"), False, None, None, None,
                "fla-core 0.4.0, 0.4.1, 0.4.2 fla/ops/common/chunk_o.py chunk_bwd_dqkwg (lines 631, 630, 647): "
                "no guard and no backend dispatch"),
-    FlaRelease((0, 5, 0), (0, 5, 2), True, "import", "everywhere", ((3, 4, 0), None),
+    FlaRelease(Version("0.5.0"), Version("0.5.2"), True, "import", "everywhere", (TRITON_MISCOMPILES[0], None),
                "fla-core 0.5.0 fla/ops/common/chunk_o.py lines 696 (@dispatch) and 715-720 (the guard), "
                "fla/ops/common/backends/tilelang/__init__.py lines 27-33 (available where tilelang imports), "
                "fla/ops/backends/__init__.py lines 25 (FLA_DISABLE_BACKEND_DISPATCH) and 55-60 (on unless "
                "FLA_TILELANG=0); 0.5.1 chunk_o.py lines 659 and 677-682, tilelang/__init__.py lines 27-33, "
                "fla/ops/backends/__init__.py lines 27 and 65-70"),
-    FlaRelease((0, 5, 2), None, True, "nvcc", "hopper", ((3, 4, 0), (3, 7, 1)),
+    FlaRelease(Version("0.5.2"), None, True, "nvcc", "hopper", TRITON_MISCOMPILES,
                "fla-core 0.5.2 fla/ops/common/chunk_o.py lines 686 (@dispatch) and 704-709 (the guard), "
                "fla/ops/common/backends/tilelang/__init__.py lines 23 and 31-44 (available where tilelang is "
                "installed and an nvcc is found; on by default on Hopper with Triton >= 3.4.0), fla/utils/_compat.py "
@@ -154,14 +157,14 @@ FLA_RELEASES = (
 
 
 def fla_release(version: str) -> FlaRelease:
-    found = version_tuple(version, "fla")
+    found = Version(version)
     return next(r for r in FLA_RELEASES if r.low <= found and (r.high is None or found < r.high))
 
 
 def _fla_backward(env: GpuEnvironment, hopper: bool, nvcc: bool) -> tuple[Status, str]:
     """The outcome of fla's gated chunk_bwd_dqkwg for ``env`` on a GPU that fla takes for a Hopper or not
     (IS_NVIDIA_HOPPER: "NVIDIA H" in the device name or compute capability 9.x) with or without an nvcc."""
-    release, triton = fla_release(env.fla), version_tuple(env.triton, "Triton")
+    release, triton = fla_release(env.fla), Version(env.triton)
     where = f"fla {env.fla} with Triton {env.triton} on {'a Hopper GPU' if hopper else 'this GPU'}"
     settings = env.fla_settings
     tilelang = release.tilelang_needs is not None and env.tilelang is not None and (
@@ -187,7 +190,7 @@ def _fla_backward(env: GpuEnvironment, hopper: bool, nvcc: bool) -> tuple[Status
                else "its TileLang route is off (FLA_DISABLE_BACKEND_DISPATCH=1 or FLA_TILELANG=0)" if not enabled
                or settings.get("FLA_DISABLE_BACKEND_DISPATCH") == "1"
                else "tilelang does not import" if release.tilelang_needs == "import" else "no nvcc is found")
-        upper = f" and < {'.'.join(map(str, guard[1]))}" if guard[1] else ""
+        upper = f" and < {guard[1]}" if guard[1] else ""
         return "refused", (f"{where} and training.deterministic false: {why}, so fla raises \"Triton >= 3.4.0"
                            f"{upper} on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg (see "
                            "#640)\" in the first GatedDeltaNet backward.")
