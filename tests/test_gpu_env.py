@@ -198,7 +198,8 @@ def _as_the_release_behaves(route: str, newest_without_tilelang: str, nvcc: bool
     return "refused" if newest_without_tilelang == "guard" else "ok"
 
 
-def _hold_the_table(cases_by_release: dict, tmp_path, monkeypatch, processes: int = 1) -> int:
+def _hold_the_table(cases_by_release: dict, tmp_path, monkeypatch, processes: int = 1) -> dict:
+    """Each release's own outcome of each case ({(release, case): outcome}), the table held to every one."""
     from helpers.fla_wheels import NEWEST, Sandbox, run_cases_split
 
     sandbox = Sandbox(tmp_path)
@@ -207,7 +208,6 @@ def _hold_the_table(cases_by_release: dict, tmp_path, monkeypatch, processes: in
     asked += [(NEWEST, case) for case in every | {case.without_tilelang() for case in every}
               if (NEWEST, case) not in asked]
     outcomes = dict(zip(asked, run_cases_split(asked, sandbox, processes)))
-    held = 0
     for version, case in asked[:sum(map(len, cases_by_release.values()))]:
         outcome, newest = outcomes[(version, case)], outcomes[(NEWEST, case)]
         expected = _as_the_release_behaves(outcome["route"], outcomes[(NEWEST, case.without_tilelang())]["route"],
@@ -217,8 +217,7 @@ def _hold_the_table(cases_by_release: dict, tmp_path, monkeypatch, processes: in
             assert env.nvcc is outcome["has_usable_nvcc"], (version, case)
         finding = _finding(check(env), "fla GatedDeltaNet backward on Hopper")
         assert finding.status == expected, (version, case, outcome, finding.line())
-        held += 1
-    return held
+    return outcomes
 
 
 def _case(triton: str, **kwargs):
@@ -231,11 +230,21 @@ def test_the_four_fla_cases_as_their_releases_behave(tmp_path, monkeypatch):
     """fla-core 0.4.x with tilelang in the bad range: no guard, no route, wrong gradients (refused); 0.5.1 with
     Triton 3.7.1 and no tilelang: its guard raises for every Triton >= 3.4.0 (refused); tilelang without an nvcc:
     no route (refused), with one: the route (ok); torch 2.12.0's Triton 3.7.0 (torch 2.12.0's METADATA:
-    Requires-Dist triton==3.7.0; platform_system == "Linux") with fla 0.6.0: in the bad range (refused)."""
-    held = _hold_the_table({"0.4.2": [_case("3.6.0", tilelang=True, nvcc="PATH")], "0.5.1": [_case("3.7.1")],
-                            "0.6.0": [_case("3.7.0"), _case("3.6.0", tilelang=True), _case("3.7.1rc1")]},
-                           tmp_path, monkeypatch)
-    assert held == 5  # and 3.7.1rc1 is below 3.7.1, as fla compares versions
+    Requires-Dist triton==3.7.0; platform_system == "Linux") with fla 0.6.0: in the bad range (refused). And
+    every place fla-core 0.5.2 looks for an nvcc (has_usable_nvcc), and none: our reader finds what the release's
+    own function finds in the same process settings, and the TileLang route follows it (0.6.0's search, the same,
+    is held on the slow test's grid). One process runs every release's cases."""
+    from helpers.fla_wheels import NVCC_PLACES
+
+    nvcc_cases = [_case("3.6.0", tilelang=True, nvcc=place) for place in NVCC_PLACES]
+    outcomes = _hold_the_table({"0.4.2": [_case("3.6.0", tilelang=True, nvcc="PATH")], "0.5.1": [_case("3.7.1")],
+                                "0.5.2": nvcc_cases,
+                                "0.6.0": [_case("3.7.0"), _case("3.6.0", tilelang=True), _case("3.7.1rc1")]},
+                               tmp_path, monkeypatch)  # 3.7.1rc1 is below 3.7.1, as fla compares versions
+    for case in nvcc_cases:
+        outcome = outcomes[("0.5.2", case)]
+        assert outcome["has_usable_nvcc"] is (case.nvcc is not None), case
+        assert outcome["route"] == ("tilelang" if case.nvcc else "guard"), case
     refused = {(env.fla, env.triton, env.tilelang) for env in (
         GpuEnvironment(**{**H200, "fla": "0.4.2", "triton": "3.6.0", "tilelang": "0.1.6", "nvcc": True}),
         GpuEnvironment(**{**H200, "fla": "0.5.1", "triton": "3.7.1", "nvcc": True}),
@@ -243,20 +252,6 @@ def test_the_four_fla_cases_as_their_releases_behave(tmp_path, monkeypatch):
         GpuEnvironment(**{**H200, "torch": "2.12.0", "triton": "3.7.0", "nvcc": True}))
         if _finding(check(dataclasses.replace(env, deterministic=False)), "fla GatedDeltaNet").status == "refused"}
     assert len(refused) == 4
-
-
-def test_our_nvcc_reader_finds_what_fla_finds(tmp_path, monkeypatch):
-    """Every place fla-core 0.5.2 looks for an nvcc (has_usable_nvcc), and none: our reader agrees with the
-    release's own function in the same process settings, and the TileLang route follows it (0.6.0's search, the
-    same, is held on the grid of the slow test)."""
-    from helpers.fla_wheels import NVCC_PLACES, Sandbox, run_cases
-
-    sandbox = Sandbox(tmp_path)
-    cases = [_case("3.6.0", tilelang=True, nvcc=place) for place in NVCC_PLACES]
-    for case, outcome in zip(cases, run_cases([("0.5.2", case) for case in cases], sandbox)):
-        ours = _our_environment("0.5.2", case, sandbox, monkeypatch).nvcc
-        assert outcome["has_usable_nvcc"] is ours is (case.nvcc is not None), case
-        assert outcome["route"] == ("tilelang" if ours else "guard"), case
 
 
 @pytest.mark.slow
@@ -275,5 +270,4 @@ def test_the_table_against_every_release_on_a_grid(tmp_path, monkeypatch):
              _case("3.6.0", device=AMPERE, tilelang=True, nvcc="PATH", fla_settings=(("FLA_TILELANG", "1"),))]
     grid += [_case("3.6.0", tilelang=True, nvcc=place) for place in NVCC_PLACES]
     grid += [_case(triton, tilelang=tilelang) for triton in ("3.4.0rc1", "3.7.1rc1") for tilelang in (False, True)]
-    held = _hold_the_table({version: grid for version in RELEASES}, tmp_path, monkeypatch, processes=2)
-    assert held == len(grid) * len(RELEASES)
+    _hold_the_table({version: grid for version in RELEASES}, tmp_path, monkeypatch, processes=2)
