@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from crossalign.dag import COMPARED
-from crossalign.sides.protocol import StepCallback
+from crossalign.sides.protocol import EnvironmentRefused, StepCallback
 from crossalign.store import Run, now_iso, read_json, write_json_atomic
 
 LIVE_DIR = "live"
 STOP_FILE = "stop.json"
 HOLD_FILE = "hold.json"
+REFUSAL_FILE = "environment.json"
 HOLD_MAX_S = 1800.0  # a side never waits longer than this for the other side's step 1
 HOLD_POLL_S = 0.2
 STOPPABLE = tuple(spec.name for spec in COMPARED)  # the two sides of the comparison
@@ -146,3 +147,17 @@ def stopped_report(run: Run) -> Path | None:
     """The report of a run whose trainings were stopped early (``live/report.html``), else None."""
     report = live_dir(run) / "report.html"
     return report if report.exists() and read_stop(run) is not None else None
+
+
+def record_refusal(run: Run, step: str, error: EnvironmentRefused) -> dict[str, Any]:
+    """Write why ``step`` refused its machine into the run's live folder and ask both trainings to stop."""
+    live_dir(run).mkdir(exist_ok=True)
+    record = {"step": step, "reason": error.reason, "details": error.details, "recorded": now_iso(), **error.facts}
+    write_json_atomic(live_dir(run) / REFUSAL_FILE, record)
+    request_stop(run, f"{step} refused its machine: {error.reason}", rule="environment")
+    return record
+
+
+def read_refusal(run: Run) -> dict[str, Any] | None:
+    path = live_dir(run) / REFUSAL_FILE
+    return read_json(path) if path.exists() else None

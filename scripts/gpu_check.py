@@ -11,12 +11,14 @@ configs:
    from the converted weights, and compares them with Megatron's step-1 line;
 4. runs the gated delta rule Megatron's GatedDeltaNet really runs for this config, on CUDA, in fp32
    and bf16, against fla's pure-torch recurrent form on CPU (:func:`megatron_delta_rule` says which),
-   each held to its tolerance in :data:`KERNEL_TOLERANCES`.
+   each held to its output bound in the kernel probe's table (``kernel_probe.KERNEL_TOLERANCES``).
 
 ``--no-te`` trains with megatron-core's local modules and fla instead, as the embedded side builds them
 (``LocalMegatronBackend``), where TransformerEngine cannot be had: the GPU environment check, ``--iterations``
 iterations in bf16 on ``--device`` (cuda, or cpu to run it anywhere), step 1 against the fp32 reference, the
-same batches in fp32 on CPU, and both logs through ``crossalign compare``; it prints the kernels that trained.
+same batches in fp32 on CPU, and both logs through ``crossalign compare``; it prints the kernels that trained
+and the kernel probe each training ran first (every GatedDeltaNet kernel, forward and backward, against the fp32
+reference: ``kernel_probe``).
 Each training runs in its own process (``--train-embedded``), as the DAG's step runs it.
 
 ``--dry-run`` stops after step 1 and writing Megatron's argument file and run script (no GPU
@@ -44,27 +46,6 @@ from crossalign.sides.protocol import TrainRequest
 from crossalign.config import AlignmentConfig, load_config
 
 STEP1_TOLERANCE = 0.005  # SPEC 1: step-1 relative error < 0.5% (bf16 Megatron against fp32 reference)
-
-# The gated delta rule's output against fla's recurrence (||o - o_ref|| / ||o_ref||, the measure of fla's own
-# tests, fla/utils/testing.py get_err_ratio), per kernel and precision, with the evidence for each. In bf16 the
-# kernel gets q, k, v and beta in bf16 and g in fp32 (as GatedDeltaNet computes it), and the reference is the
-# recurrence in fp32 on the same rounded inputs: the kernel's own error, not the inputs' rounding.
-MEGATRON_TORCH, FLA_CHUNK = "megatron torch_chunk_gated_delta_rule", "fla chunk_gated_delta_rule"
-KERNEL_TOLERANCES: dict[tuple[str, str], tuple[float, str]] = {
-    (MEGATRON_TORCH, "fp32"): (1e-5, "torch matmuls in fp32: 6.6e-7 measured on an H200, 5.8e-7 on CPU for these "
-                                     "inputs; a chunked algorithm in exact fp32 is at 6e-7 (fla's: 6.3e-7)"),
-    (MEGATRON_TORCH, "bf16"): (1e-2, "bf16 matmuls and a bf16 output (its rounding alone is ~2^-9/sqrt(3) = 1.1e-3 "
-                                     "RMS): 1.6e-3 measured on CPU"),
-    (FLA_CHUNK, "fp32"): (5e-3, "fla multiplies fp32 in TF32 (Triton's default tl.dot precision on sm >= 80, and "
-                                "fla/ops/gated_delta_rule/chunk_fwd.py lines 20-23 ask TF32 of its intra-chunk solve "
-                                "explicitly): 1.46e-3 measured on an H200; benchmarks/fla_tf32.py reproduces 1.462e-3 "
-                                "with TF32 dots in Triton's interpreter and 6.3e-7 with exact ones, so TF32 is the "
-                                "cause, not the chunked algorithm nor the conv1d (not in this check); fla's own "
-                                "tests hold the chunk output to 5e-3 (tests/ops/test_gated_delta.py test_chunk)"),
-    (FLA_CHUNK, "bf16"): (1e-2, "bf16 operands and output: fla's own tests hold the chunk output to 5e-3 in fp16 "
-                                "(3 more mantissa bits than bf16); the same bound as Megatron's torch rule in bf16 "
-                                "(not measured on CPU: Triton's interpreter does not run fla's kernels in bf16)"),
-}
 
 
 class GpuCheckError(RuntimeError):
@@ -230,8 +211,11 @@ def megatron_delta_rule(deterministic: bool):
 
 
 def kernel_tolerance(deterministic: bool, precision: str) -> tuple[float, str]:
-    """(tolerance, reason) of the delta rule Megatron runs (``deterministic``) in ``precision``."""
-    return KERNEL_TOLERANCES[(MEGATRON_TORCH if deterministic else FLA_CHUNK, precision)]
+    """(output bound, reason) of the delta rule Megatron runs (``deterministic``) in ``precision``."""
+    from crossalign.sides.megatron.kernel_probe import FLA_CHUNK, KERNEL_TOLERANCES, MEGATRON_TORCH
+
+    tolerance = KERNEL_TOLERANCES[(MEGATRON_TORCH if deterministic else FLA_CHUNK, precision)]
+    return tolerance.bounds["output"], tolerance.reason
 
 
 def delta_rule_check(config: AlignmentConfig, device: str = "cuda", seed: int = 1234, precision: str = "fp32",
@@ -324,7 +308,8 @@ def train_embedded_process(options, device: str, precision: str) -> dict:
             print(line, flush=True)
     results = [json.loads(line[len(RESULT_MARKER):]) for line in lines if line.startswith(RESULT_MARKER)]
     if done.returncode != 0 or not results:
-        raise GpuCheckError(f"the embedded training on {device} in {precision} failed (exit {done.returncode})")
+        raise GpuCheckError(f"the embedded training on {device} in {precision} failed (exit {done.returncode}; a "
+                            "kernel probe that refused the machine says KernelDisagrees above)")
     return results[0]
 
 
@@ -370,6 +355,11 @@ def run_no_te(options, config: AlignmentConfig, data: DatasetFiles, checkpoint: 
     print("  kernels that ran: " + ", ".join(f"{k} {v}" for k, v in kernels.items()), flush=True)
     print(f"[4/6] the same batches in fp32 on CPU: {n} iterations", flush=True)
     cpu = train_embedded_process(options, "cpu", "fp32")
+    probed = {f"{device} bf16": trained["details"].get("kernel_probe", []),
+              "cpu fp32": cpu["details"].get("kernel_probe", [])}
+    for where, lines in probed.items():
+        print(f"  kernel probe before the {where} training, against the fp32 reference:", flush=True)
+        print("\n".join(f"    {line}" for line in lines), flush=True)
     print("[5/6] step 1 against the fp32 reference; both logs through crossalign compare", flush=True)
     version = config.training.megatron_core_version
     reference = reference_losses(config, checkpoint, data.prefix)
@@ -395,7 +385,7 @@ def run_no_te(options, config: AlignmentConfig, data: DatasetFiles, checkpoint: 
              "compare": {"verdict": summary["verdict"], "exit_status": summary["exit_status"],
                          "lm_mean_rel_err": lm.get("mean_rel_err"), "lm_max_rel_err": lm.get("max_rel_err"),
                          "reasons": summary.get("reasons", [])},
-             "median_iteration_ms": {device: device_ms, "cpu_fp32": cpu_ms},
+             "median_iteration_ms": {device: device_ms, "cpu_fp32": cpu_ms}, "kernel_probe": probed,
              "fla_fp32_ieee_rel_err": added_ieee}
     return checks, added
 

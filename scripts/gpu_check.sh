@@ -36,8 +36,9 @@
 #
 # Without TransformerEngine (--no-te): megatron-core with its local modules and fla, as crossalign's embedded
 # side builds them, trains --iterations (30) in bf16 on the GPU; printed: the GPU environment check, the kernels
-# that ran, step 1 against the fp32 reference, and the run against the same batches in fp32 on CPU through
-# `crossalign compare`. No Megatron-LM checkout and no TransformerEngine needed (under 5 minutes with the tiny
+# that ran and the kernel probe each training ran first (every GatedDeltaNet kernel, forward and backward, against
+# megatron-core's torch rule in fp32), step 1 against the fp32 reference, and the run against the same batches in
+# fp32 on CPU through `crossalign compare`. No Megatron-LM checkout and no TransformerEngine needed (under 5 minutes with the tiny
 # configs on one H200). --device cpu runs the same on CPU (no GPU: the check's own test does that).
 #
 # Usage, from any working directory (every path is made absolute: the run script changes into the

@@ -43,4 +43,14 @@ if [[ "$extras" == *dev* ]]; then
                 || echo "warning: could not download mindformers $version; the tests of its code will be skipped" >&2
         fi
     done
+    # The fla-core releases whose own chunk_bwd_dqkwg guard and TileLang route the GPU environment check is held
+    # against (tests/helpers/fla_wheels.py): wheels only, never installed.
+    wheels=.cache/fla-wheels
+    mkdir -p "$wheels"
+    for version in 0.4.0 0.4.1 0.4.2 0.5.0 0.5.1 0.5.2 0.6.0; do
+        if [[ ! -f "$wheels/fla_core-$version-py3-none-any.whl" ]]; then
+            .venv/bin/pip download -q --disable-pip-version-check --no-deps -d "$wheels" "fla-core==$version" \
+                || echo "warning: could not download fla-core $version; the tests of its code will be skipped" >&2
+        fi
+    done
 fi

@@ -223,10 +223,12 @@ def test_megatron_core_trains_as_the_reference_trainer(tmp_path):
         logs[label] = [line.split("| learning rate:")[1].split("| number of skipped")[0]
                        for line in request.log_path.read_text().splitlines() if "| learning rate:" in line]
     assert len(logs["megatron-core"]) == 4
-    # the manifest's record of where and with which GatedDeltaNet kernels it trained
+    # the manifest's record of where and with which GatedDeltaNet kernels it trained, and their probe before
+    probed = result.details.pop("kernel_probe")
     assert result.details == {"device": "cpu", "device_name": "cpu", "kernels": {
         "delta_rule": "megatron.core torch_chunk_gated_delta_rule", "l2norm": "torch l2norm (mcore_cpu)",
         "conv1d": "torch conv1d"}}
+    assert len(probed) == 11 and all(line.startswith("[ok  ]") for line in probed)
     for ours, theirs in zip(logs["reference"], logs["megatron-core"]):
         a = dict(part.strip().split(": ") for part in ours.split("|") if ":" in part)
         b = dict(part.strip().split(": ") for part in theirs.split("|") if ":" in part)

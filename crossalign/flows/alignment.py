@@ -35,6 +35,7 @@ from crossalign.flows.events import StepEvent, emit
 from crossalign.flows.launch import execute_deployment, execute_subprocess, step_timeout
 from crossalign.flows.live import stop_error, stopped_outcome, watch_training
 from crossalign.flows.outcome import failed
+from crossalign.flows.refused import refused_outcome
 from crossalign.flows.reporting import StepReporter
 from crossalign.flows.retry import backoff_delays, retry_on_infrastructure
 from crossalign.flows.summary import publish_compare, run_url, steps_table
@@ -44,7 +45,7 @@ from crossalign.request import Mode, ResolvedRequest, RunRequest, form_error, re
 from crossalign.sides.megatron.side import MEGATRON
 from crossalign.sides.mindformers.side import MINDFORMERS
 from crossalign.site import load_site
-from crossalign.stop import clear_live
+from crossalign.stop import clear_live, read_refusal
 from crossalign.store import RunStore, StoreError, new_run_id
 from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed
 from crossalign.tasks.prepare import prepare_run
@@ -272,6 +273,9 @@ def align(resolved: ResolvedRequest) -> State:
 
     run = RunStore(root).run(run_id)
     create_table_artifact(steps_table(run), key="alignment-steps", description=f"run {run_id} in {run.path}")
+    refusal = read_refusal(run)
+    if refusal is not None:  # a training step refused its machine: invalid, whatever else ended how
+        return refused_outcome(run, refusal, logger)
     if stopped is not None and stopped.rule != "failed":  # a failed side is told by its own error below
         return stopped_outcome(run, stopped, logger)
     for spec in STEPS:

@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Mapping
 
+from packaging.version import Version
+
 from crossalign.preflight import gpu_env_read
 from crossalign.versions import version_tuple
 
@@ -44,6 +46,8 @@ class GpuEnvironment:
     causal_conv1d: str | None = None
     capability: tuple[int, int] | None = None  # the GPU's (major, minor); None: no CUDA device seen
     device_name: str | None = None
+    nvcc: bool | None = None  # whether fla would find an nvcc for TileLang's JIT (None: not read)
+    fla_settings: Mapping[str, str] = field(default_factory=dict)  # FLA_TILELANG, FLA_DISABLE_BACKEND_DISPATCH
     import_errors: Mapping[str, str] = field(default_factory=dict)  # field -> why its modules do not import
     deterministic: bool = True  # training.deterministic: Megatron's --deterministic-mode
     side: Side = "embedded"  # "real": Megatron-LM with TransformerEngine; "embedded": local modules
@@ -51,8 +55,10 @@ class GpuEnvironment:
     @classmethod
     def from_record(cls, record: Mapping, *, deterministic: bool, side: Side) -> "GpuEnvironment":
         capability = record.get("capability")
-        return cls(**{name: record.get(name) for name in (*gpu_env_read.DISTRIBUTIONS, "cuda", "device_name")},
+        return cls(**{name: record.get(name) for name in (*gpu_env_read.DISTRIBUTIONS, "cuda", "device_name",
+                                                          "nvcc")},
                    capability=tuple(capability) if capability else None,
+                   fla_settings=dict(record.get("fla_settings") or {}),
                    import_errors=dict(record.get("import_errors") or {}), deterministic=deterministic, side=side)
 
     def describe(self) -> str:
@@ -61,8 +67,13 @@ class GpuEnvironment:
         parts = [f"torch {self.torch or '-'} (CUDA {self.cuda or 'none'})", f"Triton {self.triton or '-'}",
                  f"fla {self.fla or '-'}", f"megatron-core {self.megatron_core or '-'}",
                  f"TransformerEngine {self.transformer_engine or '-'}", f"causal-conv1d {self.causal_conv1d or '-'}",
-                 f"tilelang {self.tilelang or '-'}", gpu]
+                 f"tilelang {self.tilelang or '-'}", f"nvcc {_found(self.nvcc)}", gpu]
+        parts += [f"{name}={value}" for name, value in self.fla_settings.items()]
         return ", ".join(parts)
+
+
+def _found(flag: bool | None) -> str:
+    return "not read" if flag is None else "found" if flag else "not found"
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,101 @@ def _between(version: str, low: tuple[int, int, int], high: tuple[int, int, int]
     return low <= version_tuple(version, "version") < high
 
 
+# Triton's miscompile of fla's gated chunk_bwd_dqkwg on Hopper: wrong dq, dk, dw and dg, without a word
+# (fla-org/flash-linear-attention#640), fixed in Triton 3.7.1 (#983: fla-core 0.5.2 narrowed its guard to it).
+# Versions are compared as fla compares them (packaging's Version: 3.7.1rc1 is below 3.7.1).
+TRITON_MISCOMPILES = (Version("3.4.0"), Version("3.7.1"))
+
+
+@dataclass(frozen=True)
+class FlaRelease:
+    """How the fla-core releases in [low, high) reach the gated chunk_bwd_dqkwg that GatedDeltaNet's backward
+    calls, read from each release's own code (``source``).
+
+    ``dispatch``: chunk_bwd_dqkwg is wrapped by fla's backend dispatch, which hands it to the TileLang backend where
+    that backend is available and enabled (unless FLA_DISABLE_BACKEND_DISPATCH=1); ``tilelang_needs``: what makes
+    TileLang available ("import": ``import tilelang`` works; "nvcc": tilelang is installed and fla finds an nvcc);
+    ``tilelang_default``: where it is enabled without FLA_TILELANG ("everywhere", or "hopper" with Triton >= 3.4.0);
+    ``guard``: the Triton versions [low, high) for which the Triton path raises on a Hopper GPU (None: no guard;
+    high None: every later Triton)."""
+
+    low: Version
+    high: Version | None
+    dispatch: bool
+    tilelang_needs: str | None
+    tilelang_default: str | None
+    guard: tuple[Version, Version | None] | None
+    source: str
+
+
+FLA_RELEASES = (
+    FlaRelease(Version("0"), Version("0.5.0"), False, None, None, None,
+               "fla-core 0.4.0, 0.4.1, 0.4.2 fla/ops/common/chunk_o.py chunk_bwd_dqkwg (lines 631, 630, 647): "
+               "no guard and no backend dispatch"),
+    FlaRelease(Version("0.5.0"), Version("0.5.2"), True, "import", "everywhere", (TRITON_MISCOMPILES[0], None),
+               "fla-core 0.5.0 fla/ops/common/chunk_o.py lines 696 (@dispatch) and 715-720 (the guard), "
+               "fla/ops/common/backends/tilelang/__init__.py lines 27-33 (available where tilelang imports), "
+               "fla/ops/backends/__init__.py lines 25 (FLA_DISABLE_BACKEND_DISPATCH) and 55-60 (on unless "
+               "FLA_TILELANG=0); 0.5.1 chunk_o.py lines 659 and 677-682, tilelang/__init__.py lines 27-33, "
+               "fla/ops/backends/__init__.py lines 27 and 65-70"),
+    FlaRelease(Version("0.5.2"), None, True, "nvcc", "hopper", TRITON_MISCOMPILES,
+               "fla-core 0.5.2 fla/ops/common/chunk_o.py lines 686 (@dispatch) and 704-709 (the guard), "
+               "fla/ops/common/backends/tilelang/__init__.py lines 23 and 31-44 (available where tilelang is "
+               "installed and an nvcc is found; on by default on Hopper with Triton >= 3.4.0), fla/utils/_compat.py "
+               "lines 38-65 (has_usable_nvcc); 0.6.0 chunk_o.py lines 709 and 727-732, "
+               "fla/ops/common/backends/tilelang/__init__.py lines 17-19, fla/backends.py lines 27, 76-82 and "
+               "114-123, fla/utils/env.py lines 125-153"),
+)
+
+
+def fla_release(version: str) -> FlaRelease:
+    found = Version(version)
+    return next(r for r in FLA_RELEASES if r.low <= found and (r.high is None or found < r.high))
+
+
+def _fla_backward(env: GpuEnvironment, hopper: bool, nvcc: bool) -> tuple[Status, str]:
+    """The outcome of fla's gated chunk_bwd_dqkwg for ``env`` on a GPU that fla takes for a Hopper or not
+    (IS_NVIDIA_HOPPER: "NVIDIA H" in the device name or compute capability 9.x) with or without an nvcc."""
+    release, triton = fla_release(env.fla), Version(env.triton)
+    where = f"fla {env.fla} with Triton {env.triton} on {'a Hopper GPU' if hopper else 'this GPU'}"
+    settings = env.fla_settings
+    tilelang = release.tilelang_needs is not None and env.tilelang is not None and (
+        release.tilelang_needs == "import" and "tilelang" not in env.import_errors
+        or release.tilelang_needs == "nvcc" and nvcc)
+    if "FLA_TILELANG" in settings:
+        enabled = settings["FLA_TILELANG"] != "0"
+    else:
+        enabled = release.tilelang_default == "everywhere" or hopper and triton >= TRITON_MISCOMPILES[0]
+    if release.dispatch and settings.get("FLA_DISABLE_BACKEND_DISPATCH") != "1" and tilelang and enabled:
+        if "tilelang" in env.import_errors:
+            return "refused", (f"{where}: fla hands the backward to tilelang {env.tilelang}, which does not import "
+                               f"({env.import_errors['tilelang']}): the first GatedDeltaNet backward fails.")
+        if not nvcc:
+            return "refused", (f"{where}: fla hands the backward to tilelang {env.tilelang} wherever tilelang "
+                               "imports, and tilelang's JIT finds no nvcc (CUDA_HOME, CUDA_PATH, PATH, "
+                               "nvidia-cuda-nvcc, /usr/local/cuda): the first GatedDeltaNet backward fails to "
+                               "compile (fla 0.5.2 on looks for nvcc first).")
+        return "ok", f"{where}: fla hands the gated chunk_bwd_dqkwg to tilelang {env.tilelang} (nvcc found)"
+    guard = release.guard
+    if hopper and guard is not None and guard[0] <= triton and (guard[1] is None or triton < guard[1]):
+        why = ("tilelang is not installed" if env.tilelang is None
+               else "its TileLang route is off (FLA_DISABLE_BACKEND_DISPATCH=1 or FLA_TILELANG=0)" if not enabled
+               or settings.get("FLA_DISABLE_BACKEND_DISPATCH") == "1"
+               else "tilelang does not import" if release.tilelang_needs == "import" else "no nvcc is found")
+        upper = f" and < {guard[1]}" if guard[1] else ""
+        return "refused", (f"{where} and training.deterministic false: {why}, so fla raises \"Triton >= 3.4.0"
+                           f"{upper} on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg (see "
+                           "#640)\" in the first GatedDeltaNet backward.")
+    if hopper and TRITON_MISCOMPILES[0] <= triton < TRITON_MISCOMPILES[1]:
+        return "refused", (f"{where} and training.deterministic false: fla {env.fla} has no guard and runs Triton's "
+                           "chunk_bwd_dqkwg, which Triton [3.4.0, 3.7.1) miscompiles on Hopper: wrong dq, dk, dw "
+                           "and dg without a word" + (f", whatever tilelang {env.tilelang}" if env.tilelang else "")
+                           + ".")
+    if not hopper:
+        return "ok", f"{where}: not a Hopper GPU; fla runs Triton's chunk_bwd_dqkwg"
+    return "ok", f"{where}: Triton {env.triton} is outside [3.4.0, 3.7.1) and fla {env.fla} does not refuse it"
+
+
 def _fla_hopper_triton(env: GpuEnvironment) -> tuple[Status, str]:
     if env.deterministic:
         return "ok", ("training.deterministic: Megatron's --deterministic-mode runs torch_chunk_gated_delta_rule; "
@@ -106,20 +212,19 @@ def _fla_hopper_triton(env: GpuEnvironment) -> tuple[Status, str]:
         return "ok", "fla is not installed (megatron-core's own check refuses GatedDeltaNet without it)"
     if env.triton is None:
         return "undecided", "Triton is not installed in this Python: its version decides"
-    if not _between(env.triton, (3, 4, 0), (3, 7, 1)):
-        return "ok", f"Triton {env.triton} is outside [3.4.0, 3.7.1)"
     if env.capability is None:
-        return "undecided", (f"Triton {env.triton} is in [3.4.0, 3.7.1) and the delta rule is fla's; whether the GPU "
-                             "is a Hopper (sm_90) cannot be told without a CUDA device")
-    if env.capability[0] != 9:
-        return "ok", f"sm_{env.capability[0]}{env.capability[1]} is not a Hopper GPU"
-    if env.tilelang is not None:
-        return "warning", (f"Triton {env.triton} on sm_90: fla dispatches chunk_bwd_dqkwg to tilelang {env.tilelang} "
-                           "where tilelang's verifier takes the shapes, and raises otherwise")
-    return "refused", (f"fla {env.fla} with Triton {env.triton} on sm_90 and training.deterministic false: fla raises "
-                       "\"Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
-                       "chunk_bwd_dqkwg (see #640)\" in the first GatedDeltaNet backward (an fla without that guard "
-                       "trains on wrong db and dg).")
+        hoppers: tuple[bool, ...] = (True, False)
+    else:
+        hoppers = ("NVIDIA H" in (env.device_name or "") or env.capability[0] == 9,)
+    nvccs = (True, False) if env.nvcc is None else (env.nvcc,)
+    outcomes = {(hopper, nvcc): _fla_backward(env, hopper, nvcc) for hopper in hoppers for nvcc in nvccs}
+    if len({status for status, _ in outcomes.values()}) == 1:
+        return next(iter(outcomes.values()))
+    unknown = [what for what, given in (("whether the GPU is a Hopper (sm_90) cannot be told without a CUDA "
+                                         "device", env.capability), ("whether fla finds an nvcc was not read",
+                                                                     env.nvcc)) if given is None]
+    refused = next(detail for status, detail in outcomes.values() if status == "refused")
+    return "undecided", f"{'; '.join(unknown)}: where it is, {refused}"
 
 
 def _megatron_needs_fla(env: GpuEnvironment) -> tuple[Status, str]:
@@ -183,11 +288,11 @@ MEGATRON_016 = "megatron-core 0.16.1 METADATA (Megatron-LM core_v0.16.1 pyprojec
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue(
         "fla GatedDeltaNet backward on Hopper with Triton [3.4.0, 3.7.1)",
-        "fla-core 0.6.0 fla/ops/common/chunk_o.py lines 727-732 (chunk_bwd_dqkwg raises); "
-        "fla-org/flash-linear-attention#640 (the miscompile), #983 (guard narrowed to Triton < 3.7.1); "
-        "fla/ops/common/backends/tilelang/__init__.py lines 17-19 (the tilelang route on Hopper)",
-        "Triton >= 3.7.1 (pip install 'triton>=3.7.1'), or pip install tilelang, "
-        "or training.deterministic: true (Megatron's torch chunk rule)",
+        "fla-org/flash-linear-attention#640 (the miscompile), #983 (fixed in Triton 3.7.1); each fla-core "
+        "release's chunk_bwd_dqkwg guard and TileLang route: " + "; ".join(r.source for r in FLA_RELEASES),
+        "training.deterministic: true (Megatron's torch chunk rule), or Triton >= 3.7.1 with fla-core 0.4.x or "
+        ">= 0.5.2 (pip install 'triton>=3.7.1'), or tilelang with an nvcc (pip install tilelang; a CUDA toolkit "
+        "or CUDA_HOME)",
         _fla_hopper_triton),
     KnownIssue(
         "megatron-core GatedDeltaNet needs fla",

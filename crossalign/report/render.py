@@ -132,7 +132,7 @@ def _ran(side: str, summary: Summary) -> str:
 
 def render_markdown(summary: Summary, steps: pd.DataFrame, with_plot: bool, run_link: dict | None = None) -> str:
     rows = metric_rows(summary)
-    header = list(rows[0])
+    header = list(rows[0]) if rows else ["series"]
     lines = [f"# crossalign comparison{_of_run(run_link)}: {summary.verdict.upper()}", "",
              *([f"[the run in Prefect]({run_link['url']})", ""] if run_link and run_link.get("url") else []),
              f"- npu log: `{summary.inputs['npu']['path']}` ({summary.inputs['npu']['format']}){_ran('npu', summary)}",

@@ -73,6 +73,18 @@ class TrainResult:
     details: dict = field(default_factory=dict)  # what the backend says of the run (device, kernels), for the manifest
 
 
+class EnvironmentRefused(RuntimeError):
+    """What a backend raises before training on a machine that would train wrong numbers (a kernel that disagrees
+    with its reference): the run is ``invalid``, not ``fail`` (``crossalign.stop.record_refusal``). ``reason``:
+    one line, "environment: ..."; ``details``: what was measured, one line each; ``facts``: the same as values."""
+
+    def __init__(self, reason: str, details: list[str], **facts):
+        super().__init__(reason + "".join(f"\n  {line}" for line in details))
+        self.reason = reason
+        self.details = details
+        self.facts = facts
+
+
 class TrainBackend(Protocol):
     name: str
 

@@ -17,9 +17,9 @@ from typing import Any
 from crossalign.dag import StepSpec
 from crossalign.dump_settings import DumpSettings, collected_dump
 from crossalign.preflight import gpu_env
-from crossalign.sides.protocol import StepCallback, TrainRequest
+from crossalign.sides.protocol import EnvironmentRefused, StepCallback, TrainRequest
 from crossalign.site import SiteConfig
-from crossalign.stop import STOPPABLE, check_stop, keep_log, stopping
+from crossalign.stop import STOPPABLE, check_stop, keep_log, record_refusal, stopping
 from crossalign.store import Run
 from crossalign.tasks.backends import training_backend
 from crossalign.tasks.command import step_command
@@ -51,7 +51,9 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
         environment = checked_gpu_environment(backend, run.config)
         try:
             result = backend.train(request)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, EnvironmentRefused):  # the run is invalid (crossalign.flows.refused)
+                record_refusal(run, spec.name, exc)
             if stoppable:
                 keep_log(run, spec.name, request.log_path)
             raise

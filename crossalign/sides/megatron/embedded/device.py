@@ -12,11 +12,18 @@ causal-conv1d when installed).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import importlib
+import os
+from typing import Callable, Iterator
 
 import torch
 
 DEVICES = ("auto", "cpu", "cuda")
+# The test seam of the kernel probe: ``module:function`` named here becomes the delta rule megatron-core's
+# GatedDeltaNet calls (in place of torch_chunk_gated_delta_rule and fla's chunk_gated_delta_rule alike) while a
+# training step runs (:func:`delta_rule_seam`), so that a test can train with a kernel that computes wrong.
+DELTA_RULE_SEAM = "CROSSALIGN_TEST_DELTA_RULE"
+DELTA_RULES = ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule")
 
 
 class EmbeddedDeviceError(RuntimeError):
@@ -35,28 +42,72 @@ def resolve(setting: str) -> str:
     return setting
 
 
-def kernels(device: str, deterministic: bool) -> dict[str, str]:
-    """The GatedDeltaNet kernels megatron-core takes on ``device`` (core_v0.16.1 megatron/core/ssm/
-    gated_delta_net.py: ``deterministic_mode`` picks torch_chunk_gated_delta_rule and torch conv1d). What
-    megatron-core imported decides, not what is installed: it catches the ImportError of a causal-conv1d built
-    for another torch and runs torch's conv1d (lines 49-53)."""
-    if device == "cpu":
-        return {"delta_rule": "megatron.core torch_chunk_gated_delta_rule", "l2norm": "torch l2norm (mcore_cpu)",
-                "conv1d": "torch conv1d"}
+def kernel_functions(device: str, deterministic: bool) -> dict[str, tuple[str, Callable | None]]:
+    """kind -> (name, function) of the GatedDeltaNet kernels megatron-core calls on ``device`` (core_v0.16.1
+    megatron/core/ssm/gated_delta_net.py: ``deterministic_mode`` picks torch_chunk_gated_delta_rule and torch
+    conv1d, lines 326 and 370). What megatron-core's module holds now decides, not what is installed: it catches
+    the ImportError of a causal-conv1d built for another torch and runs torch's conv1d (lines 49-53). The function
+    is None for torch's conv1d (an nn.Conv1d of the model) and where fla does not import."""
     from crossalign.data.mcore import quiet_megatron_import
 
     with quiet_megatron_import():  # what megatron-core's GatedDeltaNet module found at import
         from megatron.core.ssm import gated_delta_net
 
+    torch_rule = ("megatron.core torch_chunk_gated_delta_rule", gated_delta_net.torch_chunk_gated_delta_rule)
+    if device == "cpu":
+        from crossalign.sides.megatron.embedded.mcore_cpu import _torch_l2norm
+
+        return {"delta_rule": torch_rule, "l2norm": ("torch l2norm (mcore_cpu)", _torch_l2norm),
+                "conv1d": ("torch conv1d", None)}
     fla = getattr(gated_delta_net, "HAVE_FLA", False)
+    missing = ("none: fla does not import", None)
     if deterministic:
-        delta, conv = "megatron.core torch_chunk_gated_delta_rule", "torch conv1d"
+        delta, conv = torch_rule, ("torch conv1d", None)
     else:
-        delta = "fla chunk_gated_delta_rule (Triton)" if fla else "none: fla does not import"
-        conv = ("causal_conv1d_fn (causal-conv1d)" if getattr(gated_delta_net, "causal_conv1d_fn", None) is not None
-                else "torch conv1d")
-    return {"delta_rule": delta, "l2norm": "fla l2norm (Triton)" if fla else "none: fla does not import",
+        delta = ("fla chunk_gated_delta_rule (Triton)", gated_delta_net.chunk_gated_delta_rule) if fla else missing
+        causal = getattr(gated_delta_net, "causal_conv1d_fn", None)
+        conv = ("causal_conv1d_fn (causal-conv1d)", causal) if causal is not None else ("torch conv1d", None)
+    return {"delta_rule": delta, "l2norm": ("fla l2norm (Triton)", gated_delta_net.l2norm) if fla else missing,
             "conv1d": conv}
+
+
+def kernels(device: str, deterministic: bool) -> dict[str, str]:
+    """The names of :func:`kernel_functions`: what the step's manifest and the report say trained."""
+    return {kind: name for kind, (name, _) in kernel_functions(device, deterministic).items()}
+
+
+def megatron_torch_rule() -> Callable:
+    """megatron-core's own torch_chunk_gated_delta_rule, whatever :func:`delta_rule_seam` put in its place."""
+    from megatron.core.ssm import gated_delta_net
+
+    return _SEAMED.get("torch_chunk_gated_delta_rule", gated_delta_net.torch_chunk_gated_delta_rule)
+
+
+_SEAMED: dict[str, Callable] = {}  # megatron-core's delta rules while the seam replaces them
+
+
+@contextlib.contextmanager
+def delta_rule_seam() -> Iterator[str | None]:
+    """While the block runs, the function named by ``$CROSSALIGN_TEST_DELTA_RULE`` (``module:function``) is
+    megatron-core's delta rule (``DELTA_RULE_SEAM``); yields what it names (None: the variable is unset, nothing
+    changes). For tests only."""
+    named = os.environ.get(DELTA_RULE_SEAM)
+    if not named or _SEAMED:
+        yield named
+        return
+    module, _, name = named.partition(":")
+    replacement = getattr(importlib.import_module(module), name)
+    from megatron.core.ssm import gated_delta_net
+
+    _SEAMED.update({rule: getattr(gated_delta_net, rule) for rule in DELTA_RULES})
+    try:
+        for rule in DELTA_RULES:
+            setattr(gated_delta_net, rule, replacement)
+        yield named
+    finally:
+        for rule, original in _SEAMED.items():
+            setattr(gated_delta_net, rule, original)
+        _SEAMED.clear()
 
 
 def details(device: str, deterministic: bool) -> dict[str, object]:

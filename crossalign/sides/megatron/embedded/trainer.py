@@ -286,7 +286,8 @@ def _train_rank(request: TrainRequest, state: Mapping[str, torch.Tensor], checkp
     device = devices.resolve(training.embedded_device)
     prints = group is None or group.rank == group.world_size - 1
     log = megatron_log(request.log_path, training.seed, layout) if prints else contextlib.nullcontext(lambda _: None)
-    with deterministic_training_threads(), log as emit, devices.on_device(device, training.seed, group):
+    with deterministic_training_threads(), log as emit, devices.on_device(device, training.seed, group), \
+            devices.delta_rule_seam():
         emit(f"building GPT model ... ({IMPLEMENTATION}, local modules on {device.upper()})")
         if not swiglu_fusion_under(request.dump):
             emit(UNFUSED_FOR_MIX)
@@ -394,14 +395,33 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
     if device == "cuda" and request.config.parallel.megatron.world_size > 1:
         raise devices.EmbeddedDeviceError("training.embedded_device: cuda trains in one process; a sharded "
                                           "parallel.megatron layout trains with embedded_device: cpu")
-    started = time.perf_counter()
-    if request.config.parallel.megatron.world_size == 1:
-        _train_rank(request, state, checkpoint_iteration, batches)
-    else:
-        _train_ranks(request, state, checkpoint_iteration, batches[:total])
+    with devices.delta_rule_seam() as seam:
+        if seam:
+            print(f"{devices.DELTA_RULE_SEAM}: megatron-core's delta rule is {seam} (a test seam)", flush=True)
+        probed = probe_kernels(request.config, device)
+        started = time.perf_counter()
+        if request.config.parallel.megatron.world_size == 1:
+            _train_rank(request, state, checkpoint_iteration, batches)
+        else:
+            _train_ranks(request, state, checkpoint_iteration, batches[:total])
     return TrainResult(log_path=request.log_path, checkpoint_dir=request.checkpoint_dir if request.save else None,
                        iterations=total, seconds=time.perf_counter() - started,
-                       details=devices.details(device, training.deterministic))
+                       details={**devices.details(device, training.deterministic), "kernel_probe": probed})
+
+
+def probe_kernels(config: AlignmentConfig, device: str) -> list[str]:
+    """The kernel probe before the first step: every GatedDeltaNet kernel the run is about to use, forward and
+    backward, against the fp32 reference (``kernel_probe``); KernelDisagrees (the run is invalid) where one is
+    beyond its tolerance. Returns the probe's lines, printed as they are."""
+    from crossalign.sides.megatron.kernel_probe import require
+
+    started = time.perf_counter()
+    lines = [check.line() for check in require(config, device)]
+    print(f"kernel probe on {device} in {config.training.embedded_precision}: {len(lines)} checks against the fp32 "
+          f"reference in {time.perf_counter() - started:.1f} s", flush=True)
+    for line in lines:
+        print(f"  {line}", flush=True)
+    return lines
 
 
 def save_checkpoint(net, request: TrainRequest, iteration: int) -> Path:
