@@ -12,6 +12,7 @@ import torch
 
 from crossalign.preflight import gpu_env
 from crossalign.preflight.gpu_env import GpuEnvironment, GpuEnvironmentError, check, require
+from crossalign.sides.protocol import EnvironmentRefused
 from crossalign.versions import version_tuple
 
 # the environment the issue measured on one H200 (torch 2.11.0+cu130, Triton 3.6.0, fla-core 0.6.0, no TE)
@@ -80,6 +81,9 @@ def test_fla_triton_hopper_is_refused_with_the_fix_and_its_source():
     assert "Triton >= 3.7.1" in message and "tilelang" in message and "training.deterministic: true" in message
     assert "0.6.0 chunk_o.py lines 709 and 727-732" in message and "#640" in message
     assert "sm_90 (NVIDIA H200)" in message  # the environment it judged
+    # a training step that meets it refuses its machine: the run is invalid with this reason (crossalign.stop)
+    assert isinstance(raised.value, EnvironmentRefused)
+    assert raised.value.reason.startswith("environment: the GPU environment check refuses fla GatedDeltaNet backward")
     (refused,) = gpu_env.refusals(check(env))
     assert refused.name.startswith("fla GatedDeltaNet backward on Hopper")
 

@@ -32,7 +32,7 @@ def refused_summary(run: Run, refusal: dict[str, Any]) -> Summary:
     if "device" in refusal:
         inputs[step_spec(refusal["step"]).pool]["device"] = refusal["device"]
     return Summary(verdict="invalid", reasons=[refusal["reason"]], diagnosis=[],
-                   notes=[f"{refusal['step']} refused its machine before its first step; the kernel probe:",
+                   notes=[f"{refusal['step']} refused its machine before its first step; what it found:",
                           *refusal.get("details", [])],
                    gold_standard=False, series={}, lr=LrCheck("not_logged"), inputs=inputs, criteria={},
                    coverage={"compared": 0, "expected": run.config.training.train_iters,
@@ -60,7 +60,7 @@ def refused_outcome(run: Run, refusal: dict[str, Any], logger: Any):
             create_markdown_artifact("\n".join([
                 f"# Run {run.run_id}: INVALID", "", f"**{refusal['reason']}**", "",
                 f"{refusal['step']} refused its machine before its first step: the losses it would log could not "
-                "tell whether the alignment holds. The kernel probe:", "",
+                "tell whether the alignment holds. What it found:", "",
                 *[f"- `{line}`" for line in refusal.get("details", [])], "",
                 f"Report: {report or 'not written'}"]), key=REFUSED_KEY, description=refusal["reason"])
         except Exception as exc:  # the display must never fail the run

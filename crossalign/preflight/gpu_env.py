@@ -20,6 +20,7 @@ from typing import Callable, Literal, Mapping
 from packaging.version import Version
 
 from crossalign.preflight import gpu_env_read
+from crossalign.sides.protocol import EnvironmentRefused
 from crossalign.versions import version_tuple
 
 Side = Literal["real", "embedded"]
@@ -28,8 +29,12 @@ READ_TIMEOUT_S = 300
 READ_MARKER = "@@gpu_env@@"
 
 
-class GpuEnvironmentError(RuntimeError):
-    """A known-bad combination: the run would fail late or train on wrong numbers."""
+class GpuEnvironmentError(EnvironmentRefused):
+    """A known-bad combination, or an environment that could not be read: the run would fail late or train on wrong
+    numbers. A training step that meets it refuses its machine, and the run is ``invalid`` with the reason."""
+
+    def __init__(self, reason: str, details: list[str] | None = None):
+        super().__init__(f"environment: {reason}", details or [])
 
 
 @dataclass(frozen=True)
@@ -357,6 +362,6 @@ def require(env: GpuEnvironment) -> list[Finding]:
     findings = check(env)
     refused = refusals(findings)
     if refused:
-        raise GpuEnvironmentError(f"GPU environment check ({env.describe()}):\n"
-                                  + "\n".join(f.line() for f in refused))
+        raise GpuEnvironmentError(f"the GPU environment check refuses {', '.join(f.name for f in refused)} "
+                                  f"({env.describe()})", [f.line() for f in refused])
     return findings

@@ -28,7 +28,8 @@ from crossalign.tasks.command import step_command
 def checked_gpu_environment(backend, config) -> list[gpu_env.Finding]:
     """Before a backend that trains in this process takes the GPU (the embedded megatron-core trainer with
     ``training.embedded_device`` cuda, or auto on a GPU machine): the GPU environment check, which raises
-    ``GpuEnvironmentError`` naming each refused combination and its fix. Nothing on CPU."""
+    ``GpuEnvironmentError`` (an ``EnvironmentRefused``: the run is invalid) naming each refused combination and its
+    fix. Nothing on CPU."""
     device = getattr(backend, "device", None)
     if device is None or device(config) != "cuda":
         return []
@@ -48,8 +49,8 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
                                output_dir=out.dir,
                                init_checkpoint=None if base else run.step_dir(spec.inputs[0]) / "checkpoint",
                                save=base, on_step=on_step, published_dir=out.final_dir, dump=dump)
-        environment = checked_gpu_environment(backend, run.config)
         try:
+            environment = checked_gpu_environment(backend, run.config)
             result = backend.train(request)
         except BaseException as exc:
             if isinstance(exc, EnvironmentRefused):  # the run is invalid (crossalign.flows.refused)
