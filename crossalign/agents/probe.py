@@ -205,7 +205,7 @@ def gpu_environment_checks(python: str | None, side: gpu_env.Side) -> list[Check
     try:
         env = gpu_env.read_environment(deterministic=True, side=side, python=python)
     except gpu_env.GpuEnvironmentError as exc:
-        return [Check("GPU environment", False, str(exc))]
+        return [Check("GPU environment", False, exc.problem)]
     return environment_checks(env)
 
 

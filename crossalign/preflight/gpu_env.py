@@ -33,8 +33,9 @@ class GpuEnvironmentError(EnvironmentRefused):
     """A known-bad combination, or an environment that could not be read: the run would fail late or train on wrong
     numbers. A training step that meets it refuses its machine, and the run is ``invalid`` with the reason."""
 
-    def __init__(self, reason: str, details: list[str] | None = None):
-        super().__init__(f"environment: {reason}", details or [])
+    def __init__(self, problem: str, details: list[str] | None = None):
+        super().__init__(f"environment: {problem}", details or [])
+        self.problem = problem + "".join(f"\n{line}" for line in details or [])
 
 
 @dataclass(frozen=True)
