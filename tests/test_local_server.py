@@ -96,6 +96,7 @@ def test_server_start_with_basic_auth_survives_a_restart_and_crossalign_down_end
     port, auth = free_port(), "admin:s3cret"
     site = tmp_path / "checkout" / "crossalign.site.yaml"
     site.parent.mkdir()
+    (tmp_path / "store").mkdir()
     site.write_text(f"store: {tmp_path / 'store'}\nprefect_api_url: http://127.0.0.1:{port}/api\n")
     data = site_home(site) / "server"  # CROSSALIGN_HOME: the tests' own (conftest.py)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,14 +135,25 @@ def _end(process: psutil.Process, grace_s: float) -> str:
     """SIGTERM, then SIGKILL after ``grace_s``; says how it ended when it took the kill."""
     try:
         process.send_signal(signal.SIGTERM)
-        process.wait(timeout=grace_s)
-        return ""
-    except psutil.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=grace_s)
-        return f" (killed: still running {grace_s:.0f} s after SIGTERM)"
     except psutil.NoSuchProcess:
         return ""
+    if _gone_within(process, grace_s):
+        return ""
+    with suppress(psutil.NoSuchProcess):
+        process.kill()
+    _gone_within(process, grace_s)
+    return f" (killed: still running {grace_s:.0f} s after SIGTERM)"
+
+
+def _gone_within(process: psutil.Process, seconds: float) -> bool:
+    """Whether ``process`` ends within ``seconds``; an ended process its parent has not reaped yet (a zombie)
+    counts as ended (psutil's own wait would wait for the reaping)."""
+    deadline = time.monotonic() + seconds
+    while _alive(process):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _pids(processes: list[psutil.Process]) -> str:
