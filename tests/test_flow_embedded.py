@@ -214,8 +214,8 @@ def test_the_readme_commands_on_a_finished_run_run_as_written(embedded):
     from helpers.readme import RUN_COMMANDS
 
     run = RunStore(embedded["store"]).run("k1")
-    if not run.is_done("compare"):
-        pytest.skip("needs the finished run of the first test")
+    if not all(run.is_done(step) for step in ("convert", "megatron-train", "pynative-train")):
+        pytest.skip("needs the run of the first test")  # its compare may be stale: the commands redo it
     store = str(run.store.root)
     (embedded["root"] / "runs").unlink(missing_ok=True)
     (embedded["root"] / "runs").symlink_to(run.store.root)
