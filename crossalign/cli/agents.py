@@ -140,9 +140,12 @@ def deploy_command(prefect_file: Path = typer.Option(Path("prefect.yaml"), "--pr
     console.print(f"deployed {len(deployments)} deployments of {prefect_file} to {ui}; a flow run silent for "
                   f"{DEFAULT_ZOMBIE_AFTER_S} s (its machine died) is marked Crashed and its step retried",
                   highlight=False, soft_wrap=True)
+    configs_from = "the site's nightly.configs" if "configs" in nightly.model_fields_set else \
+        "the tiny configs: the site names no nightly.configs"
     zone_from = "the site's nightly.timezone" if nightly.timezone else "this machine's zone"
-    console.print(f"nightly/nightly aligns {', '.join(nightly.configs)} (the site's nightly.configs) at 02:00 "
-                  f"{timezone} ({zone_from}) every night, from tonight", highlight=False, soft_wrap=True)
+    console.print(f"nightly/nightly aligns {', '.join(nightly.configs)} ({configs_from}) every night at 02:00 "
+                  f"{timezone} ({zone_from}), from tonight; pause it under the deployment's Schedules",
+                  highlight=False, soft_wrap=True)
     console.print("next, on each machine, for its pools: crossalign agent start --pool orchestrator|npu|cpu|gpu",
                   highlight=False, soft_wrap=True)
     console.print(f"then: crossalign run qwen35_dense_tiny --distributed, or in the UI ({ui}): Deployments, "
