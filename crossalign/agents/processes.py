@@ -1,7 +1,7 @@
 """What a site runs on this machine, and ``crossalign down``, which ends it.
 
 ``crossalign server start``, ``serve`` and ``agent start`` each record themselves in the site's folder on this
-machine (``crossalign.site.site_home``: ``processes/<name>.json``, with the process's start time, so that a pid the
+machine (``crossalign.site.site_home``: ``processes/<key>.json``, with the process's start time, so that a pid the
 system reused is never taken for it) for as long as they run. ``end_recorded`` ends them: the agents first (each
 stops its worker), then the report server, then the Prefect server (which stops its PostgreSQL), each with SIGTERM
 and, after a grace period, SIGKILL, with whatever it started (the worker's flow-run processes, a training) that is
