@@ -490,3 +490,26 @@ def test_the_rerun_form_offers_what_crossalign_rerun_offers():
         rerun_dump(base, False, {"step": 1}, option="dump", separator="_")
     with pytest.raises(ValueError, match="^dump_task: Input should be 'statistics', 'md5' or 'tensor'"):
         rerun_dump(None, True, {"task": "tensors"}, option="dump", separator="_")
+
+
+def test_a_later_attempt_of_a_flow_run_takes_the_run_id_its_first_attempt_named_it_after(prefect_client_settings):
+    """An automatic retry of a flow run in its own process (Prefect's flow retries; a Retry in the UI is the same
+    flow run in a new process, tests/test_flow_distributed.py): the first attempt finds no run id to keep and names
+    the flow run after a new one; the second reads that name back from the server."""
+    from prefect import flow
+
+    from crossalign.flows.alignment import first_attempts_run_id, name_flow_run
+    from crossalign.store import new_run_id
+
+    made, kept = [], []
+
+    @flow(retries=1, retry_delay_seconds=0)
+    def two_attempts() -> None:
+        kept.append(first_attempts_run_id())
+        if not made:
+            made.append(new_run_id("qwen35_dense_tiny"))
+            name_flow_run(made[0])
+            raise RuntimeError("the first attempt fails")
+
+    assert two_attempts(return_state=True).is_completed()
+    assert kept == [None, made[0]], (kept, made)
