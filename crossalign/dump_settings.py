@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DumpLevel = Literal["L0", "mix"]
+DumpTask = Literal["statistics", "md5", "tensor"]
 
 
 class DumpSettings(BaseModel):
@@ -23,9 +26,9 @@ class DumpSettings(BaseModel):
 
     step: int = Field(default=0, ge=0, description="the training iteration msprobe dumps, counted from 0 as "
                       "msprobe counts its steps (PrecisionDebugger.step() after each iteration)")
-    level: Literal["L0", "mix"] = Field(default="L0", description="L0: one record per module/cell; mix: modules "
+    level: DumpLevel = Field(default="L0", description="L0: one record per module/cell; mix: modules "
                                         "and the framework APIs inside them")
-    task: Literal["statistics", "md5", "tensor"] = Field(default="statistics", description="statistics: max, min, "
+    task: DumpTask = Field(default="statistics", description="statistics: max, min, "
                                                          "mean, norm; md5: statistics and a CRC of each tensor; "
                                                          "tensor: every tensor as .npy")
     ranks: tuple[int, ...] = Field(default=(), description="the global ranks that dump; empty: every rank")
@@ -45,6 +48,24 @@ class DumpSettings(BaseModel):
             "enable_dataloader": False,
             task: section,
         }
+
+
+def rerun_dump(base: DumpSettings | None, dump: bool, changes: dict[str, Any], *, option: str = "--dump",
+               separator: str = "-") -> DumpSettings | None:
+    """The dump a rerun asks for (``crossalign rerun --dump``, the rerun form's ``dump``): ``base`` (the site's
+    diagnose.dump, default settings without one) with ``changes`` (step, level, task; None: unchanged); None without
+    ``dump``. A change without ``dump``, or one that is not a valid setting, raises ValueError naming it as the
+    caller spells it (``--dump-step`` on the command line, ``dump_step`` in the form)."""
+    given = {key: value for key, value in changes.items() if value is not None}
+    if not dump:
+        if given:
+            raise ValueError(f"{option}{separator}{next(iter(given))} is given without {option}")
+        return None
+    try:
+        return DumpSettings.model_validate({**(base or DumpSettings()).model_dump(), **given})
+    except ValidationError as exc:
+        raise ValueError("; ".join(f"{option}{separator}{error['loc'][0]}: {error['msg']}"
+                                   for error in exc.errors())) from None
 
 
 DUMP_DIR = "msprobe_dump"  # in a training step's outputs: msprobe's step{N}/rank{R}/{dump,construct,stack}.json

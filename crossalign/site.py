@@ -30,9 +30,11 @@ same path; the Prefect worker stays on a machine that can run Python 3.11.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -41,6 +43,8 @@ from crossalign.dump_settings import DumpSettings
 
 SITE_ENV = "CROSSALIGN_SITE"
 STORE_ENV = "CROSSALIGN_STORE"  # overrides the site's store (agents set it for the flow runs they start)
+HOME_ENV = "CROSSALIGN_HOME"  # where this machine keeps crossalign's own state (default: see machine_home)
+TINY_CONFIGS = ("qwen35_dense_tiny", "qwen35_moe_tiny")
 DEFAULT_SITE_FILE = "crossalign.site.yaml"
 STEP_SETUP_S = 3600.0  # the part of a step's default timeout that does not grow with its iterations
 
@@ -90,6 +94,26 @@ class DiagnoseSite(_Strict):
                                       "iteration (crossalign rerun --dump turns them on for one re-run)")
 
 
+class NightlySite(_Strict):
+    """The nightly regression run (prefect.yaml's nightly deployment): what it aligns, and in which time zone its
+    schedule (02:00 every night) is set."""
+
+    configs: tuple[str, ...] = Field(default=TINY_CONFIGS, min_length=1, description="the configs aligned every "
+                                     "night (shipped names or YAML paths)")
+    timezone: str | None = Field(default=None, description="the IANA time zone of the nightly's 02:00; default: "
+                                 "the zone of the machine `crossalign deploy` runs on")
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ZoneInfo(value)
+            except (ZoneInfoNotFoundError, ValueError):
+                raise ValueError(f"{value!r} is not an IANA time zone (Asia/Shanghai, Europe/Berlin, UTC)") from None
+        return value
+
+
 class SiteConfig(_Strict):
     store: Path = Path("runs")
     backends: dict[Literal["npu", "gpu"], Literal["local", "mindformers", "megatron"]] = Field(
@@ -109,6 +133,9 @@ class SiteConfig(_Strict):
     diagnose: DiagnoseSite = Field(default_factory=DiagnoseSite)
     fail_fast: bool = Field(default=True, description="stop both alignment trainings as soon as what they logged "
                             "cannot pass any more (false: they always finish and step 6 judges)")
+    nightly: NightlySite = Field(default_factory=NightlySite)
+    server_data: Path | None = Field(default=None, description="`crossalign server start`'s home and PostgreSQL "
+                                     "cluster; default: this site's folder on the machine (site_home)")
 
     @field_validator("report_url")
     @classmethod
@@ -147,6 +174,42 @@ class SiteConfig(_Strict):
         except KeyError:
             known = ", ".join(sorted(self.ssh_hosts)) or "none"
             raise SiteError(f"ssh host {name!r} is not defined in ssh_hosts (defined: {known})") from None
+
+
+def machine_timezone() -> str:
+    """The IANA name of this machine's time zone: $TZ, else the zone /etc/localtime links to, else /etc/timezone's,
+    else UTC."""
+    localtime = Path("/etc/localtime")
+    candidates = [os.environ.get("TZ", "").removeprefix(":"),
+                  str(localtime.resolve()).partition("zoneinfo/")[2] if localtime.is_symlink() else "",
+                  Path("/etc/timezone").read_text().strip() if Path("/etc/timezone").is_file() else ""]
+    for name in candidates:
+        try:
+            if name:
+                ZoneInfo(name)
+                return name
+        except (ZoneInfoNotFoundError, ValueError):
+            continue
+    return "UTC"
+
+
+def machine_home() -> Path:
+    """Where this machine keeps crossalign's own state: $CROSSALIGN_HOME, else /var/lib/crossalign as root (the
+    PostgreSQL of `server start` runs as its own user, which must reach it), else ~/.crossalign."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser().absolute()
+    return Path("/var/lib/crossalign") if os.geteuid() == 0 else Path.home() / ".crossalign"
+
+
+def site_home(site_file: Path | None) -> Path:
+    """This machine's folder of one site: ``machine_home()/sites/<name>-<hash>``, named after the site file's
+    folder (the checkout of the one-machine recipe) and keyed by the file's path, or by the working directory
+    without a site file. The server's data (unless the site's ``server_data`` says otherwise) and the record of
+    what `crossalign down` ends live there, so two checkouts never share them."""
+    anchor = Path(site_file).resolve() if site_file is not None else Path.cwd().resolve()
+    folder = anchor.parent if site_file is not None else anchor
+    key = hashlib.sha256(str(anchor).encode()).hexdigest()[:8]
+    return machine_home() / "sites" / f"{folder.name or 'root'}-{key}"
 
 
 def site_path() -> Path | None:

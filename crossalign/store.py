@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -496,6 +497,12 @@ def new_run_id(model: str) -> str:
 
 
 _ISSUED_RUN_IDS: set[str] = set()
+_NEW_RUN_ID = re.compile(r"[A-Za-z0-9_.-]+-\d{8}-\d{6}-[0-9a-f]{4}")
+
+
+def is_new_run_id(text: str) -> bool:
+    """Whether ``text`` has the form of a run id :func:`new_run_id` makes."""
+    return _NEW_RUN_ID.fullmatch(text) is not None
 
 
 def check_run_id(run_id: str) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -10,6 +13,11 @@ import pytest
 # made; the CLI tests give their own width (CliRunner(env={"COLUMNS": ...})), as a terminal of that size would.
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
+# what the servers and agents the tests start record about themselves (crossalign down) stays out of the machine's
+# own /var/lib/crossalign or ~/.crossalign; PostgreSQL's user must reach a server's data there when run as root
+os.environ["CROSSALIGN_HOME"] = tempfile.mkdtemp(prefix="crossalign-home-")
+os.chmod(os.environ["CROSSALIGN_HOME"], 0o755)
+atexit.register(shutil.rmtree, os.environ["CROSSALIGN_HOME"], True)
 
 from crossalign.agents.server import ServerStartError, local_server, postgres_bindir  # noqa: E402
 

@@ -85,14 +85,14 @@ def test_the_example_site_config_sets_and_explains_every_field(tmp_path):
     every section is set in it with a comment line naming it."""
     import yaml
 
-    from crossalign.site import MindFormersSite, SshHost
+    from crossalign.site import MindFormersSite, NightlySite, SshHost
 
     path = Path(__file__).resolve().parent.parent / "crossalign.site.example.yaml"
     site = load_site(path)
     raw = yaml.safe_load(path.read_text())
     comments = "\n".join(line for line in path.read_text().splitlines() if line.lstrip().startswith("#"))
     sections = {SiteConfig: [raw], MindFormersSite: [raw["mindformers"], raw["megatron"]],
-                SshHost: list(raw["ssh_hosts"].values())}
+                SshHost: list(raw["ssh_hosts"].values()), NightlySite: [raw["nightly"]]}
     for model, examples in sections.items():
         unset = set(model.model_fields) - {key for example in examples for key in example}
         assert not unset, f"{model.__name__}: {sorted(unset)} not in the example"
@@ -102,6 +102,35 @@ def test_the_example_site_config_sets_and_explains_every_field(tmp_path):
     (tmp_path / "site.yaml").write_text("report_url: file:///runs\n")
     with pytest.raises(SiteError, match="report_url: .*'file:///runs' is not an http"):
         load_site(tmp_path / "site.yaml")
+
+
+def test_the_nightly_and_the_server_data_are_the_sites(tmp_path, monkeypatch):
+    """Without a site's word the nightly aligns the tiny configs in this machine's zone; a site names its configs
+    and zone (an unknown zone is refused, named). The server's data and the record of what `crossalign down` ends
+    live in one folder per site file (per working directory without one) under $CROSSALIGN_HOME."""
+    from zoneinfo import ZoneInfo
+
+    from crossalign.site import machine_timezone, site_home
+
+    assert load_site(None).nightly.configs == ("qwen35_dense_tiny", "qwen35_moe_tiny")
+    assert ZoneInfo(machine_timezone()) is not None
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    assert machine_timezone() == "Europe/Berlin"
+    path = tmp_path / "site.yaml"
+    path.write_text("nightly: {configs: [qwen35_dense], timezone: Asia/Shanghai}\n")
+    assert load_site(path).nightly.timezone == "Asia/Shanghai" and load_site(path).nightly.configs == ("qwen35_dense",)
+    path.write_text("nightly: {timezone: Mars/Olympus}\n")
+    with pytest.raises(SiteError, match="nightly.timezone: .*'Mars/Olympus' is not an IANA time zone"):
+        load_site(path)
+
+    monkeypatch.setenv("CROSSALIGN_HOME", str(tmp_path / "home"))
+    (tmp_path / "checkout-a").mkdir()
+    (tmp_path / "checkout-b").mkdir()
+    first, second = (site_home(tmp_path / name / "crossalign.site.yaml") for name in ("checkout-a", "checkout-b"))
+    assert first.parent == second.parent == tmp_path / "home" / "sites" and first != second
+    assert first.name.startswith("checkout-a-") and second.name.startswith("checkout-b-")
+    monkeypatch.chdir(tmp_path / "checkout-a")
+    assert site_home(None) != first and site_home(None).name.startswith("checkout-a-")
 
 
 def test_automation_definitions_are_valid_prefect_automations():

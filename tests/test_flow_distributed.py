@@ -2,8 +2,9 @@
 worker per pool started by ``crossalign agent start``, the report server (``crossalign serve``), the tiny
 dense alignment through the ``dense-tiny`` deployment (its gpu machine dies during megatron-train and the
 run recovers as the README says), the live alignment artifact while both sides train, a run that fail-fast
-stops, their artifacts and reports in headless Chromium, a damaged output caught on a Retry, one step redone
-through the ``rerun`` deployment, the nightly alert."""
+stops, their artifacts and reports in headless Chromium, a run from the form retried as the UI's Retry does it
+(the same run resumed, a damaged output redone), one step redone through the ``rerun`` deployment, the nightly
+alert."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from helpers.processes import training_processes, training_writing_pid
 from helpers.faulty_runs import FAULT, RUN_TIMEOUT_S as LIVE_RUN_TIMEOUT_S, TINY as LIVE_TINY, faulty_run
 from crossalign.agents.server import local_agents
 from crossalign.dag import STEPS
+from crossalign.site import machine_timezone
 from crossalign.store import RunStore
 
 pytestmark = pytest.mark.slow
@@ -436,53 +438,84 @@ def test_artifacts_and_report_open_in_a_browser(stack, prefect_client_settings):
     assert f'href="{ui}/runs/flow-run/{stopped.id}"' in page, "the live report links back to its run"
 
 
-def _retry_from_the_ui(client, flow_run_id) -> None:
-    """What the UI's Retry button does to a failed flow run: AwaitingRetry, forced."""
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import State
+def _retry_as_the_ui_does(api_url: str, flow_run_id) -> None:
+    """The request of the Retry button on a failed flow run in Prefect 3.9.1's UI at the run's page
+    (/runs/flow-run/ID, which the report and the alerts link), as headless Chromium sent it: the flow run's state
+    set to Scheduled "AwaitingRetry", not forced, so Prefect's orchestration rules decide (prefect-ui-library's
+    retryFlowRun; the newer UI at /v2 sends the same state forced)."""
+    import httpx
 
-    client.set_flow_run_state(flow_run_id, State(type=StateType.SCHEDULED, name="AwaitingRetry",
-                                                 message="Retry from the UI"), force=True)
+    response = httpx.post(f"{api_url}/flow_runs/{flow_run_id}/set_state", json={
+        "state": {"name": "AwaitingRetry", "message": "Retry from the UI", "type": "SCHEDULED"}, "force": False},
+        timeout=30)
+    assert response.status_code == 201 and response.json()["status"] == "ACCEPT", response.text
 
 
-def test_a_damaged_output_is_redone_on_a_retry_of_the_parent(stack, prefect_client_settings):
-    """The converted checkpoint is damaged (same size) after the run passed; the steps after it are to be redone.
-    The resumed parent trusts convert (sizes match) and megatron-train fails on it; a Retry of the parent
-    checks sha256, redoes convert and its downstream, and passes."""
+@pytest.mark.timeout(1800)
+def test_retry_from_the_ui_resumes_the_run_its_first_attempt_started(stack, prefect_client_settings):
+    """A run started from the form as a user starts it (no run_id; retries 0: the parent does not retry a step).
+    Its gpu agent is SIGKILLed while megatron-train trains, and the step's process ended: the step ends Crashed
+    and the parent fails. Meanwhile the converted checkpoint is damaged (same size). The agent is restarted as the README says and
+    the parent retried as the UI's Retry button does it: the same flow run resumes the run id its first attempt
+    made; base-train and cast-bf16 are not run again, convert (whose sha256, checked on a Retry, no longer matches),
+    megatron-train and compare are, and the run passes. No second run is started in the store."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    run_id = "e2e-dense"
-    run = RunStore(stack["store"]).run(run_id)
-    if not run.is_done("compare"):
-        pytest.skip("needs the finished run of the first test")
-    run.invalidate("megatron-train")
-    before = {name: run.manifest(name) for name in ("base-train", "cast-bf16", "pynative-train")}
-    checkpoint = next(run.step_dir("convert").rglob("model_optim_rng.pt"))
-    size = checkpoint.stat().st_size
-    with open(checkpoint, "r+b") as handle:  # the zip directory at its end: unreadable, same size
-        handle.seek(size - 64)
-        handle.write(bytes(64))
-    parent = run_deployment("alignment/dense-tiny", timeout=DAG_TIMEOUT_S, poll_interval=1, parameters={
-        "run_id": run_id, "overrides": TINY, "store": str(stack["store"]), "poll_interval_s": 1.0,
-        "retry_delay_s": 1.0})
-    assert parent.state.is_failed(), f"{parent.state.name}: {parent.state.message}"
-    assert "megatron-train" in parent.state.message
-    assert run.is_done("convert") and not run.is_done("convert", checksums=True)
+    from crossalign.store import is_new_run_id
 
+    store = stack["store"]
+    runs_before = set(store.glob("*/run.json"))
+    parent = run_deployment("alignment/dense-tiny", timeout=0, parameters={
+        "overrides": TINY, "store": str(store), "retries": 0, "poll_interval_s": 1.0})
     with get_client(sync_client=True) as client:
-        _retry_from_the_ui(client, parent.id)
+        try:
+            run_id = _wait_for(lambda: (lambda name: name if is_new_run_id(name) else None)(
+                client.read_flow_run(parent.id).name), DAG_TIMEOUT_S, "the parent to be named after its new run id")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {client.read_flow_run(parent.id)}\n{_worker_logs(stack)}") from None
+        run_dir = store / run_id
+        step = _wait_for(lambda: training_writing_pid(run_dir, "megatron-train"), DAG_TIMEOUT_S,
+                         "megatron-train writing its log")
+        agent = stack["agents"][POOLS.index("gpu")]
+        os.kill(agent.pid, signal.SIGKILL)  # a user's kill -9 of the gpu agent: its worker dies with it
+        agent.wait(timeout=10)
+        # the step's flow run then may or may not crash by itself (Prefect's engine writes to its dead worker);
+        # it is ended as a machine going down ends it, so that Prefect's engine reports it Crashed at once
+        os.kill(step, signal.SIGTERM)
+        failed = _wait_for(lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(parent.id)),
+                           DAG_TIMEOUT_S, "the parent to fail")
+        assert failed.state.is_failed() and "megatron-train" in failed.state.message, failed.state
+        run = RunStore(store).run(run_id)
+        assert run.is_done("convert") and not run.is_done("megatron-train")
+        kept = {name: run.manifest(name) for name in ("base-train", "cast-bf16")}
+        converted = run.manifest("convert")
+        checkpoint = next(run.step_dir("convert").rglob("model_optim_rng.pt"))
+        size = checkpoint.stat().st_size
+        with open(checkpoint, "r+b") as handle:  # the zip directory at its end: unreadable, same size
+            handle.seek(size - 64)
+            handle.write(bytes(64))
+
+        _restart_agent_as_the_readme_says(stack, "gpu")
+        _retry_as_the_ui_does(stack["env"]["PREFECT_API_URL"], parent.id)
         final = _wait_for(lambda: (lambda r: r if r.state.is_final() else None)(client.read_flow_run(parent.id)),
                           DAG_TIMEOUT_S, "the retried parent to finish")
+        children = _flow_runs_by_name(client, run_id)
     assert final.state.is_completed(), f"{final.state.name}: {final.state.message}\n" + _worker_logs(stack)
-    assert final.run_count == 2 and "verdict pass" in final.state.message
-    assert run.is_done("convert", checksums=True) and run.is_done("compare")
-    assert {name: run.manifest(name) for name in before} == before, "the steps upstream of convert are skipped"
+    assert final.run_count == 2 and final.name == run_id, (final.run_count, final.name)
+    assert final.state.message.startswith(f"run {run_id}: verdict pass"), final.state.message
+    assert set(store.glob("*/run.json")) - runs_before == {run_dir / "run.json"}, "the Retry made no second run"
+    assert {name: run.manifest(name) for name in kept} == kept, "base-train and cast-bf16 are not run again"
+    assert not {f"{run_id}-base-train-2", f"{run_id}-cast-bf16-2"} & set(children), sorted(children)
+    assert run.is_done("convert", checksums=True) and run.manifest("convert")["pid"] != converted["pid"]
+    assert {f"{run_id}-convert-2", f"{run_id}-megatron-train-2"} <= set(children), sorted(children)
+    assert all(run.is_done(spec.name) for spec in STEPS)
 
 
 def test_rerun_deployment_redoes_one_step_and_its_downstream(stack, prefect_client_settings):
-    """The `rerun` deployment with run_id and step=megatron-train on the finished run: megatron-train and
-    compare run again as new children; the other steps are skipped."""
+    """The `rerun` deployment with run_id and step=megatron-train on the finished run, with the dump's step and task
+    as `rerun --dump --dump-step 1 --dump-task md5` takes them: megatron-train (dumping that iteration with msprobe)
+    and compare run again as new children; the other steps are skipped."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
@@ -494,9 +527,12 @@ def test_rerun_deployment_redoes_one_step_and_its_downstream(stack, prefect_clie
     with get_client(sync_client=True) as client:
         children_before = set(_flow_runs_by_name(client, run_id))
     parent = run_deployment("rerun/rerun", timeout=DAG_TIMEOUT_S, poll_interval=2, parameters={
-        "run_id": run_id, "step": "megatron-train", "store": str(stack["store"]), "poll_interval_s": 1.0})
+        "run_id": run_id, "step": "megatron-train", "store": str(stack["store"]), "poll_interval_s": 1.0,
+        "dump": True, "dump_step": 1, "dump_task": "md5"})
     assert parent.state.is_completed(), f"{parent.state.name}: {parent.state.message}"
     assert parent.name == f"{run_id}-rerun-megatron-train" and "verdict pass" in parent.state.message
+    dumped = run.manifest("megatron-train")["details"]["msprobe_dump"]
+    assert (dumped["step"], dumped["level"], dumped["task"], dumped["rank_folders"]) == (1, "L0", "md5", ["rank0"])
     redone = ("megatron-train", "compare")
     for spec in STEPS:
         if spec.name in redone:
@@ -571,6 +607,9 @@ def test_automations_are_created_and_the_nightly_failure_alert_fires(stack, pref
         related = nightly[0].trigger.match_related["prefect.resource.id"]
         assert related in (f"prefect.deployment.{deployment.id}", [f"prefect.deployment.{deployment.id}"])
         assert deployment.schedules and deployment.schedules[0].schedule.cron == "0 2 * * *"
+        # the zone `crossalign deploy` gave it: the site names none, so this machine's, which the description states
+        assert deployment.schedules[0].schedule.timezone == machine_timezone()
+        assert f"at 02:00 {machine_timezone()};" in deployment.description, deployment.description
 
         again = _crossalign("automations", "install", "--webhook", f"http://127.0.0.1:{port}/hook",
                             env=stack["env"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -146,8 +147,9 @@ def test_failed_verdict_exits_1_without_retry_and_reruns_only_compare(embedded, 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}), get_client(sync_client=True) as client:
-        flow_runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter())
-                     if r.parameters.get("run_id") == "k1" and r.parameters.get("rerun") == ["compare"]]
+        # the rerun flow, named as the UI's rerun form names it
+        flow_runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter()) if r.name == "k1-rerun-compare"]
+        assert flow_runs and flow_runs[0].parameters["step"] == "compare", [r.name for r in flow_runs]
         assert len(flow_runs) == 1 and flow_runs[0].state.is_failed()
         assert "verdict fail" in flow_runs[0].state.message and "lm_loss: step-1 rel err" in flow_runs[0].state.message
         from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
@@ -202,36 +204,50 @@ def test_the_flow_takes_the_request_its_caller_resolved(prefect_client_settings,
     assert run.info["config"] == resolved.config.model_dump(mode="json") and run.config.training.train_iters == 30
 
 
-def test_rerun_with_dump_redoes_megatron_train_under_msprobe_and_lists_the_dump(embedded):
-    """``crossalign rerun k1 --step megatron-train --dump``: megatron-core trains again under msprobe's
-    PrecisionDebugger, the step's outputs and manifest hold the dump, the numbers (and the verdict) are unchanged."""
+def test_the_readme_commands_on_a_finished_run_run_as_written(embedded):
+    """The README's commands that take a finished run, as written, in a folder whose runs/ is the store (RUN: k1):
+    diagnose of its checkpoints; `rerun runs/RUN --step megatron-train --dump`, which trains megatron-core again
+    under msprobe's PrecisionDebugger (the step's outputs and manifest hold the dump, the numbers are unchanged),
+    the same for pynative-train; then diagnose of the two dumps. Refused: a dump of a rerun that trains nothing,
+    an unknown dump task."""
     from crossalign.diagnose.msprobe_dump import read_dump
+    from helpers.readme import RUN_COMMANDS
 
     run = RunStore(embedded["store"]).run("k1")
-    if not run.is_done("compare"):
-        pytest.skip("needs the finished run of the first test")
+    if not all(run.is_done(step) for step in ("convert", "megatron-train", "pynative-train")):
+        pytest.skip("needs the run of the first test")  # its compare may be stale: the commands redo it
     store = str(run.store.root)
+    (embedded["root"] / "runs").unlink(missing_ok=True)
+    (embedded["root"] / "runs").symlink_to(run.store.root)
     before = run.manifest("pynative-train")
     log_before = (run.step_dir("megatron-train") / "train.log").read_text()
-    not_training = _run(embedded, "rerun", "k1", "--step", "compare", "--dump", "--store", store, timeout=60)
+    not_training = _run(embedded, "rerun", "runs/k1", "--step", "compare", "--dump", timeout=60)
     assert not_training.returncode == 2 and "trains neither megatron-train nor pynative-train" in not_training.stderr
     bad_task = _run(embedded, "rerun", "k1", "--step", "megatron-train", "--dump", "--dump-task", "tensors",
                     "--store", store, timeout=60)
     assert bad_task.returncode == 2 and "--dump-task: Input should be 'statistics', 'md5' or 'tensor'" in bad_task.stderr
     assert run.dump_request("megatron-train") is None  # refused: nothing recorded
 
-    done = _run(embedded, "rerun", "k1", "--step", "megatron-train", "--dump", "--dump-step", "1", "--store", store,
-                "--retry-delay", "1")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "megatron-train will dump iteration 1 with msprobe (L0, statistics)" in done.stdout
-    details = run.manifest("megatron-train")["details"]["msprobe_dump"]
-    assert details["folder"] == "msprobe_dump" and details["step"] == 1 and details["rank_folders"] == ["rank0"]
-    outputs = {entry["path"] for entry in run.manifest("megatron-train")["outputs"]}
-    assert {"msprobe_config.json", "msprobe_dump/step1/rank0/dump.json"} <= outputs
-    dump = read_dump(run.step_dir("megatron-train") / "msprobe_dump")
-    assert (dump.framework, dump.step, sorted(dump.ranks)) == ("pytorch", 1, [0])
-    assert any(key.startswith("Module.0.module.decoder.layers.0.") for key in dump.ranks[0].entries)
-    assert run.manifest("pynative-train") == before  # only the step asked for dumped, and only it was redone
+    checkpoints, megatron_dump, pynative_dump, dumps = (
+        _run(embedded, *shlex.split(command.replace("qwen35_dense_tiny-20261129-171129", "k1")
+                                    .replace("RUN", "k1"))[1:]) for command in RUN_COMMANDS)
+    assert checkpoints.returncode == 0, checkpoints.stdout[-3000:] + checkpoints.stderr
+    assert megatron_dump.returncode == 0, megatron_dump.stdout + megatron_dump.stderr
+    assert "megatron-train will dump iteration 0 with msprobe (L0, statistics)" in megatron_dump.stdout
+    assert pynative_dump.returncode == 0, pynative_dump.stdout + pynative_dump.stderr
+    assert dumps.returncode == 0, dumps.stdout[-3000:] + dumps.stderr
+    assert (run.path / "diagnose" / "msprobe_summary.json").is_file(), dumps.stdout[-3000:]
+
+    for step, framework in (("megatron-train", "pytorch"), ("pynative-train", "mindspore")):
+        details = run.manifest(step)["details"]["msprobe_dump"]
+        assert details["folder"] == "msprobe_dump" and details["step"] == 0 and details["rank_folders"] == ["rank0"]
+        outputs = {entry["path"] for entry in run.manifest(step)["outputs"]}
+        assert {"msprobe_config.json", "msprobe_dump/step0/rank0/dump.json"} <= outputs
+        dump = read_dump(run.step_dir(step) / "msprobe_dump")
+        assert (dump.framework, dump.step, sorted(dump.ranks)) == (framework, 0, [0])
+    entries = read_dump(run.step_dir("megatron-train") / "msprobe_dump").ranks[0].entries
+    assert any(key.startswith("Module.0.module.decoder.layers.0.") for key in entries)
+    assert run.manifest("pynative-train")["pid"] != before["pid"], "redone by the second rerun"
 
     def losses(text: str) -> list[float]:
         return [float(part.split(" | ")[0]) for part in text.split("lm loss: ")[1:]]

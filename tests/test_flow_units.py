@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from crossalign.agents.worker import NIGHTLY_TIMEZONE_ENV
 from crossalign.config import ConfigError, OverrideError, parse_override
 from crossalign.dag import HF_IMPORT, STEP_NAMES, STEPS
 from crossalign.flows.launch import (STEP_FLOW, STEP_FLOW_ENTRYPOINT, classify, deployment_name,
@@ -109,7 +110,12 @@ def test_prefect_yaml_routes_every_step_to_its_pool():
         assert deployments[parent]["work_pool"]["name"] == "orchestrator"
     assert deployments["alignment/dense-tiny"]["parameters"]["config"] == "qwen35_dense_tiny"
     assert deployments["alignment/moe-tiny"]["parameters"]["config"] == "qwen35_moe_tiny"
-    assert deployments["nightly/nightly"]["schedules"][0]["cron"] == "0 2 * * *"
+    nightly = deployments["nightly/nightly"]
+    assert nightly["schedules"][0]["cron"] == "0 2 * * *"
+    # the zone `crossalign deploy` gives it, stated in the description; what it aligns is the site's nightly.configs
+    zone = "{{ " + NIGHTLY_TIMEZONE_ENV + " }}"
+    assert nightly["schedules"][0]["timezone"] == zone and f"at 02:00 {zone};" in nightly["description"]
+    assert nightly["parameters"] == {"mode": "distributed"}
     assert deployments["nightly/nightly"]["concurrency_limit"] == 1
     assert spec["pull"] == []
 
@@ -147,6 +153,8 @@ def test_run_forms_explain_every_parameter_as_written_and_take_what_a_user_types
     assert rerun["required"] == ["run_id", "step"]
     assert rerun["properties"]["dump"]["default"] is False  # the form's checkbox for rerun --dump
     assert rerun["properties"]["step"]["enum"] == list(STEP_NAMES)
+    assert rerun["properties"]["dump_level"]["anyOf"][0]["enum"] == ["L0", "mix"]
+    assert rerun["properties"]["dump_task"]["anyOf"][0]["enum"] == ["statistics", "md5", "tensor"]
     step = parameter_schema(import_object("crossalign.flows.steps:step_flow").fn).model_dump()
     assert step["required"] == ["step", "run_id"] and step["properties"]["step"]["enum"] == list(STEP_NAMES)
 
@@ -455,3 +463,53 @@ def test_history_keeps_one_entry_per_night_and_model_and_plots_a_trend(tmp_path)
     assert rows[0]["verdict"] == "fail" and rows[0]["lm_loss mean_rel_err %"] == 10.0
     png = plot_trend(history, tmp_path / "trend.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_the_rerun_form_offers_what_crossalign_rerun_offers():
+    """Every option of `crossalign rerun` is a field of the UI's rerun form (the rerun flow, which the command runs),
+    under the form's name; the form's dump fields are checked as the command's options are, named as the form names
+    them."""
+    import typer
+    from prefect.utilities.callables import parameter_schema
+
+    from crossalign.cli import app
+    from crossalign.dump_settings import DumpSettings, rerun_dump
+    from crossalign.flows.alignment import rerun
+
+    command = typer.main.get_command(app).commands["rerun"]
+    form_name = {"run_id": "run_id", "step": "step", "store": "store", "distributed": "mode", "retries": "retries",
+                 "retry_delay": "retry_delay_s", "dump": "dump", "dump_step": "dump_step", "dump_level": "dump_level",
+                 "dump_task": "dump_task", "verbose": None}  # verbose: the terminal's Prefect log lines
+    assert {param.name for param in command.params} == set(form_name)
+    form = parameter_schema(rerun.fn).model_dump()["properties"]
+    assert {name for name in form_name.values() if name} <= set(form), sorted(form)
+    base = DumpSettings(step=2, task="md5")
+    assert rerun_dump(base, True, {"step": None, "level": "mix", "task": None}, option="dump", separator="_") == \
+        DumpSettings(step=2, level="mix", task="md5")
+    with pytest.raises(ValueError, match="^dump_step is given without dump$"):
+        rerun_dump(base, False, {"step": 1}, option="dump", separator="_")
+    with pytest.raises(ValueError, match="^dump_task: Input should be 'statistics', 'md5' or 'tensor'"):
+        rerun_dump(None, True, {"task": "tensors"}, option="dump", separator="_")
+
+
+def test_a_later_attempt_of_a_flow_run_takes_the_run_id_its_first_attempt_named_it_after(prefect_client_settings):
+    """An automatic retry of a flow run in its own process (Prefect's flow retries; a Retry in the UI is the same
+    flow run in a new process, tests/test_flow_distributed.py): the first attempt finds no run id to keep and names
+    the flow run after a new one; the second reads that name back from the server."""
+    from prefect import flow
+
+    from crossalign.flows.alignment import first_attempts_run_id, name_flow_run
+    from crossalign.store import new_run_id
+
+    made, kept = [], []
+
+    @flow(retries=1, retry_delay_seconds=0)
+    def two_attempts() -> None:
+        kept.append(first_attempts_run_id())
+        if not made:
+            made.append(new_run_id("qwen35_dense_tiny"))
+            name_flow_run(made[0])
+            raise RuntimeError("the first attempt fails")
+
+    assert two_attempts(return_state=True).is_completed()
+    assert kept == [None, made[0]], (kept, made)

@@ -20,6 +20,7 @@ from crossalign.store import (
     StepNotReady,
     StoreError,
     dataset_fingerprint,
+    is_new_run_id,
     new_run_id,
     sha256_file,
 )
@@ -229,24 +230,88 @@ def test_manifest_is_the_last_thing_written(tmp_path):
     assert os.path.isdir(run.step_dir("base-train"))
 
 
-def test_run_ids_started_in_the_same_second_differ_and_the_runs_table_shows_them_whole(tmp_path):
-    """Two runs started in the same second get their own ids (and folders); `crossalign runs` in an
-    80-column terminal prints every id whole."""
+def _crossalign_in_a_terminal(args: list[str], columns: int) -> str:
+    """What ``crossalign ARGS`` prints to a terminal of ``columns`` columns (a pseudo-terminal), its styles left out."""
+    import fcntl
+    import pty
+    import re
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE")}
+    process = subprocess.Popen([str(Path(sys.executable).with_name("crossalign")), *args], stdout=follower,
+                               stderr=subprocess.PIPE, env={**env, "TERM": "xterm"})
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal's other end closed
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert process.wait(timeout=120) == 0, process.stderr.read()
+    os.close(leader)
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode()).replace("\r", "")
+
+
+def test_run_ids_started_in_the_same_second_differ_and_crossalign_runs_shows_them_whole(tmp_path):
+    """Two runs started in the same second get their own ids (and folders); `crossalign runs` prints every id whole:
+    in an 80-column terminal as a table, and to a pipe as one tab-separated line per run under a header line,
+    nothing else."""
     import re
 
     config = load_config("qwen35_moe_tiny")
     ids = {new_run_id(config.model.name) for _ in range(50)}
     assert len(ids) == 50
     assert all(re.fullmatch(r"qwen35_moe_tiny-\d{8}-\d{6}-[0-9a-f]{4}", run_id) for run_id in ids), ids
+    assert all(is_new_run_id(run_id) for run_id in ids) and not is_new_run_id("e2e-dense")
     store = RunStore(tmp_path / "store")
     shown = sorted(ids)[:3]
     for run_id in shown:
         store.create_run(run_id, config, config_source="qwen35_moe_tiny", parameters={}, code_version={})
-    listed = subprocess.run([str(Path(sys.executable).with_name("crossalign")), "runs", "--store", str(store.root)],
-                            env={**os.environ, "COLUMNS": "80"}, capture_output=True, text=True, timeout=120)
-    assert listed.returncode == 0, listed.stderr
-    title, *table = listed.stdout.splitlines()
+    title, *table = _crossalign_in_a_terminal(["runs", "--store", str(store.root)], columns=80).splitlines()
     assert title == f"runs in {store.root}", "the store's path is printed whole (the terminal wraps it)"
     assert max(len(line) for line in table) <= 80
-    for run_id in shown:
-        assert run_id in listed.stdout, listed.stdout
+    assert all(any(run_id in line for line in table) for run_id in shown), table
+
+    piped = subprocess.run([str(Path(sys.executable).with_name("crossalign")), "runs", "--store", str(store.root)],
+                           capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    header, *lines = piped.stdout.splitlines()
+    assert header.split("\t") == ["run", "model", "created", "steps done", "state", "verdict"]
+    assert [line.split("\t")[:2] for line in lines] == [[run_id, "qwen35_moe_tiny"] for run_id in shown], lines
+    assert all(len(line.split("\t")) == 6 for line in lines)
+
+
+def test_a_command_takes_a_run_by_its_id_or_by_its_folder(tmp_path, monkeypatch):
+    """`status`, `rerun`, `rehearse`, `diagnose --run` and `run --run-id` take the run id (in --store, else the
+    site's store) and the run's folder alike; a folder that is no run, or one outside the --store given, is refused
+    naming it (exit 2)."""
+    from typer.testing import CliRunner
+
+    from crossalign.cli import app
+    from crossalign.cli.runs import located_run, run_location
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CROSSALIGN_SITE", raising=False)
+    monkeypatch.delenv("CROSSALIGN_STORE", raising=False)
+    store = RunStore(tmp_path / "runs")
+    config = load_config("qwen35_dense_tiny")
+    store.create_run("r1", config, config_source="qwen35_dense_tiny", parameters={}, code_version={})
+    assert located_run("r1", None).path == located_run("runs/r1", None).path == located_run(
+        str(tmp_path / "runs" / "r1"), tmp_path / "runs").path == store.root / "r1"
+    assert run_location("elsewhere/new-run", None) == (tmp_path / "elsewhere", "new-run"), "a new run's folder"
+    runner = CliRunner()
+    by_id, by_folder = (runner.invoke(app, ["status", run], env={"COLUMNS": "200"}) for run in ("r1", "runs/r1"))
+    assert by_id.exit_code == by_folder.exit_code == 0 and by_id.output == by_folder.output, by_folder.output
+    for args, said in ((["status", "runs/nope"], "no run 'nope' in"), (["status", "r1/"], "no run 'r1' in"),
+                       (["status", "runs/r1", "--store", str(tmp_path / "other")], "is a run of the store"),
+                       (["rerun", "runs/nope", "--step", "compare"], "no run 'nope' in"),
+                       (["rehearse", "runs/nope", "--megatron", str(tmp_path)], "no run 'nope' in"),
+                       (["diagnose", "--run", "nope"], "no run 'nope' in")):
+        refused = runner.invoke(app, args, env={"COLUMNS": "200"})
+        assert refused.exit_code == 2 and said in refused.output, (args, refused.output)

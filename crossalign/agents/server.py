@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
@@ -77,6 +77,23 @@ def postgres_bindir() -> Path | None:
     return versions[-1].parent if versions else None
 
 
+def _postgres_user() -> list[str]:
+    """The command prefix that runs PostgreSQL's tools: as the ``postgres`` user for root, which PostgreSQL refuses."""
+    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+
+def stop_postgres(folder: Path) -> None:
+    """Stop the cluster ``local_postgres`` keeps in ``folder`` (its ``data`` folder); raises ServerStartError with
+    pg_ctl's words when it cannot."""
+    bindir = postgres_bindir()
+    if bindir is None:
+        raise ServerStartError("PostgreSQL is not installed: no pg_ctl to stop it with")
+    done = subprocess.run([*_postgres_user(), str(bindir / "pg_ctl"), "-D", str(Path(folder) / "data"), "-m", "fast",
+                           "stop"], capture_output=True, text=True, cwd=folder)
+    if done.returncode != 0:
+        raise ServerStartError(f"pg_ctl stop failed ({done.returncode}): {(done.stderr or done.stdout).strip()}")
+
+
 @contextmanager
 def local_postgres(keep_in: Path | None = None) -> Iterator[str]:
     """A PostgreSQL cluster on a free loopback port; yields Prefect's connection URL for it.
@@ -95,11 +112,10 @@ def local_postgres(keep_in: Path | None = None) -> Iterator[str]:
     else:
         folder = Path(keep_in).expanduser().absolute()
         folder.mkdir(parents=True, exist_ok=True)
-    as_user: list[str] = []
-    if os.geteuid() == 0:
+    as_user = _postgres_user()
+    if as_user:
         owner = pwd.getpwnam("postgres")
         os.chown(folder, owner.pw_uid, owner.pw_gid)
-        as_user = ["runuser", "-u", "postgres", "--"]
         if subprocess.run([*as_user, "test", "-w", str(folder)]).returncode != 0:
             raise ServerStartError(f"{folder}: PostgreSQL runs as user postgres, which cannot reach this folder; "
                                    "choose one below a folder every user may enter (e.g. /var/lib/crossalign)")
@@ -123,8 +139,8 @@ def local_postgres(keep_in: Path | None = None) -> Iterator[str]:
                 run(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "prefect", "prefect")
             yield f"postgresql+asyncpg://prefect@127.0.0.1:{port}/prefect"
         finally:
-            subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"],
-                           capture_output=True, cwd=folder)
+            with suppress(ServerStartError):  # the stop of a cluster that is going anyway
+                stop_postgres(folder)
     finally:
         if keep_in is None:
             shutil.rmtree(folder, ignore_errors=True)

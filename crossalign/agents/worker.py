@@ -189,13 +189,17 @@ class DeployError(RuntimeError):
     """``prefect deploy`` refused the deployments file; carries the end of its output."""
 
 
-def deploy(prefect_file: Path) -> dict[str, str]:
+NIGHTLY_TIMEZONE_ENV = "CROSSALIGN_NIGHTLY_TIMEZONE"  # prefect.yaml's {{ CROSSALIGN_NIGHTLY_TIMEZONE }}
+
+
+def deploy(prefect_file: Path, nightly_timezone: str) -> dict[str, str]:
     """Create the four pools if missing, ``prefect deploy --all`` from the file's folder, then install crash detection.
 
-    Prefect's own output (a page of advice per deployment to start ``prefect worker start``,
-    which ``crossalign agent start`` does) is shown only when it fails. Returns the installed
-    automations, {name: id}: a deployed DAG without the zombie-run automation would wait forever
-    on a step whose machine died.
+    The nightly's schedule (and its description) take ``nightly_timezone``: prefect.yaml names it as
+    ``{{ CROSSALIGN_NIGHTLY_TIMEZONE }}``, which ``prefect deploy`` fills in from the environment. Prefect's own
+    output (a page of advice per deployment to start ``prefect worker start``, which ``crossalign agent start``
+    does) is shown only when it fails. Returns the installed automations, {name: id}: a deployed DAG without the
+    zombie-run automation would wait forever on a step whose machine died.
     """
     if not prefect_file.exists():
         raise FileNotFoundError(f"{prefect_file}: no such prefect.yaml")
@@ -203,7 +207,7 @@ def deploy(prefect_file: Path) -> dict[str, str]:
         ensure_pool(pool)
     done = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
                            str(prefect_file.absolute())], cwd=prefect_file.absolute().parent, capture_output=True,
-                          text=True)
+                          text=True, env={**os.environ, NIGHTLY_TIMEZONE_ENV: nightly_timezone})
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-40:])
         raise DeployError(f"prefect deploy of {prefect_file} failed ({done.returncode}):\n{tail}")

@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(server_app, name="server")
     app.command("serve")(serve_command)
     app.add_typer(automations_app, name="automations")
+    app.command("down")(down_command)
 
 
 def is_loopback_url(url: str) -> bool:
@@ -63,6 +64,7 @@ def agent_start(
     # imported when run: keeps crossalign --help fast
     from crossalign.agents.pools import POOLS
     from crossalign.agents.probe import missing, probe_pool
+    from crossalign.agents.processes import forget, record_this_process
     from crossalign.patching import PatchError
     from crossalign.agents.worker import (AgentAlreadyRunning, default_worker_name, ensure_pool, hold_worker_lock,
                                           run_worker, worker_environment)
@@ -98,7 +100,12 @@ def agent_start(
     env = worker_environment(site, site_file)
     console.print(f"pool {pool}: {'created' if created else 'exists'}; store {env['CROSSALIGN_STORE']}; "
                   "starting the worker", highlight=False)
-    raise typer.Exit(run_worker(pool, env, name=name, limit=limit, lock_fd=lock_fd))
+    record = record_this_process(site_file, f"agent-{name}", "agent", pool=pool, name=name)
+    try:
+        code = run_worker(pool, env, name=name, limit=limit, lock_fd=lock_fd)
+    finally:
+        forget(record)
+    raise typer.Exit(code)
 
 
 def deploy_command(prefect_file: Path = typer.Option(Path("prefect.yaml"), "--prefect-file",
@@ -113,22 +120,31 @@ def deploy_command(prefect_file: Path = typer.Option(Path("prefect.yaml"), "--pr
 
     from crossalign.agents.automation import DEFAULT_ZOMBIE_AFTER_S
     from crossalign.agents.worker import DeployError, deploy
-    from crossalign.site import site_path
+    from crossalign.site import SiteError, load_site, machine_timezone, site_path
 
-    url = server_url(required=True, site_file=site_file or site_path())
+    site_file = site_file or site_path()
+    url = server_url(required=True, site_file=site_file)
     quiet_prefect(verbose=True)
     from crossalign.flows.launch import missing_step_deployments  # with Prefect, once its settings are made
 
     deployments = (yaml.safe_load(prefect_file.read_text()).get("deployments") or []) if prefect_file.exists() else []
-    with user_errors(FileNotFoundError, DeployError):
+    with user_errors(FileNotFoundError, DeployError, SiteError):
+        nightly = load_site(site_file).nightly
+        timezone = nightly.timezone or machine_timezone()
         missing = missing_step_deployments(deployments)
         if missing:  # every run would fail at a step without its deployment
             raise DeployError(f"{prefect_file} lacks deployments the step table (crossalign/dag.py) needs: "
                               + "; ".join(missing))
-        deploy(prefect_file)
+        deploy(prefect_file, nightly_timezone=timezone)
     ui = url.rstrip("/").removesuffix("/api")
     console.print(f"deployed {len(deployments)} deployments of {prefect_file} to {ui}; a flow run silent for "
                   f"{DEFAULT_ZOMBIE_AFTER_S} s (its machine died) is marked Crashed and its step retried",
+                  highlight=False, soft_wrap=True)
+    configs_from = "the site's nightly.configs" if "configs" in nightly.model_fields_set else \
+        "the tiny configs: the site names no nightly.configs"
+    zone_from = "the site's nightly.timezone" if nightly.timezone else "this machine's zone"
+    console.print(f"nightly/nightly aligns {', '.join(nightly.configs)} ({configs_from}) every night at 02:00 "
+                  f"{timezone} ({zone_from}), from tonight; pause it under the deployment's Schedules",
                   highlight=False, soft_wrap=True)
     console.print("next, on each machine, for its pools: crossalign agent start --pool orchestrator|npu|cpu|gpu",
                   highlight=False, soft_wrap=True)
@@ -143,9 +159,12 @@ def server_start(
     url: Optional[str] = typer.Option(None, "--url", help="the address browsers and agents use "
                                       "(default: http://<this host's name>:PORT when listening beyond loopback)"),
     data: Optional[Path] = typer.Option(None, "--data", help="server home and its PostgreSQL cluster, kept "
-                                        "between starts (default: ~/.crossalign/server, as root "
-                                        "/var/lib/crossalign/server)"),
+                                        "between starts (default: the site's server_data, else server/ in the "
+                                        "site's folder on this machine: one per site file, or per working "
+                                        "directory without one)"),
     insecure: bool = typer.Option(False, "--insecure", help="listen beyond loopback without basic auth"),
+    site_file: Optional[Path] = typer.Option(None, "--site", help="the site config (default: $CROSSALIGN_SITE "
+                                             "or ./crossalign.site.yaml)"),
 ) -> None:
     """Run the Prefect server on PostgreSQL until stopped (Ctrl-C, SIGTERM).
 
@@ -154,7 +173,9 @@ def server_start(
     and NPU machines, so it needs $PREFECT_SERVER_API_AUTH_STRING (user:password) unless --insecure.
     """
     # imported when run: keeps crossalign --help fast
+    from crossalign.agents.processes import forget, record_this_process
     from crossalign.agents.server import AUTH_ENV, CLIENT_AUTH_ENV, LOOPBACK, ServerStartError, local_server
+    from crossalign.site import SiteError, load_site, site_home, site_path
 
     beyond_loopback = host not in LOOPBACK
     if beyond_loopback and not os.environ.get(AUTH_ENV) and not insecure:
@@ -170,17 +191,21 @@ def server_start(
                           f"--url http://ADDRESS:{port} with the name or address they reach this machine by",
                           highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_INVALID)
-    if data is None:
-        data = Path("/var/lib/crossalign/server") if os.geteuid() == 0 else Path("~/.crossalign/server")
-    data = data.expanduser().absolute()
+    with user_errors(SiteError):
+        site_file = site_file or site_path()
+        data = (data or load_site(site_file).server_data or site_home(site_file) / "server").expanduser().absolute()
+    database_url = os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+    postgres = None if database_url else data / "postgres"
     # Ctrl-C and SIGTERM leave the block below, which stops the server and then PostgreSQL
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    record = None
     try:
         with local_server(data / "prefect", scheduler=True, database="postgres", host=host, port=port,
-                          ui_url=url, database_url=os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL"),
-                          postgres_dir=data / "postgres") as server:
-            console.print(f"Prefect server up: UI {server.ui_url}  (log {server.home / 'server.log'})",
-                          highlight=False)
+                          ui_url=url, database_url=database_url, postgres_dir=postgres) as server:
+            record = record_this_process(site_file, "server", "Prefect server", url=server.ui_url, data=str(data),
+                                         postgres=None if postgres is None else str(postgres))
+            console.print(f"Prefect server up: UI {server.ui_url}  (data {data}; log {server.home / 'server.log'}; "
+                          "`crossalign down` ends it)", highlight=False, soft_wrap=True)
             console.print("on every machine that runs crossalign:", highlight=False)
             console.print(f"  export PREFECT_API_URL={server.ui_url}/api", highlight=False)
             if os.environ.get(AUTH_ENV):
@@ -195,6 +220,9 @@ def server_start(
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         pass
+    finally:
+        if record is not None:
+            forget(record)
 
 
 def serve_command(
@@ -204,8 +232,9 @@ def serve_command(
 ) -> None:
     """Serve the run store read-only over HTTP: the reports and plots the Prefect UI links to."""
     # imported when run: keeps crossalign --help fast
+    from crossalign.agents.processes import forget, record_this_process
     from crossalign.report.serve import serve, store_app
-    from crossalign.site import SiteError
+    from crossalign.site import SiteError, site_path
 
     with user_errors(SiteError, FileNotFoundError):
         root = store_root(store).expanduser().absolute()
@@ -213,7 +242,29 @@ def serve_command(
     shown = host if host in ("127.0.0.1", "localhost") else "<this host>"
     console.print(f"serving {root} read-only on {host}:{port}; the site config's report_url: "
                   f"http://{shown}:{port}/", highlight=False)
-    serve(served, host, port)
+    record = record_this_process(site_path(), "report-server", "report server", url=f"http://{shown}:{port}/")
+    try:
+        serve(served, host, port)
+    finally:
+        forget(record)
+
+
+def down_command(site_file: Optional[Path] = typer.Option(None, "--site", help="the site config (default: "
+                                                          "$CROSSALIGN_SITE or ./crossalign.site.yaml)")) -> None:
+    """End what this site runs on this machine (its agents and their workers, the report server, the Prefect
+    server and its PostgreSQL), as `agent start`, `serve` and `server start` recorded it, and say what was ended.
+    The server's data stays for the next `server start`."""
+    from crossalign.agents.processes import end_recorded  # imported when run: keeps crossalign --help fast
+    from crossalign.site import site_home, site_path
+
+    site_file = site_file or site_path()
+    ended = end_recorded(site_file)
+    where = f"site {site_file}" if site_file is not None else f"working directory {Path.cwd()} (no site file)"
+    if not ended:
+        console.print(f"nothing of the {where} runs on this machine ({site_home(site_file)})", highlight=False,
+                      soft_wrap=True)
+    for line in ended:
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 @automations_app.command("install")

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from crossalign.cli.common import console, user_errors
+from crossalign.cli.runs import located_run
 
 DIAGNOSE_DIR = "diagnose"
 
@@ -92,8 +93,9 @@ def diagnose_command(
                                      "1), or the number --converted must hold (default: any)."),
     pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages, likewise."),
     ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel ranks, likewise."),
-    run_dir: Optional[Path] = typer.Option(None, "--run", help="A run store folder: uses 02-cast-bf16/checkpoint, "
-                                           "03-convert/checkpoint and the run's dataset."),
+    run_dir: Optional[Path] = typer.Option(None, "--run", help="A run, by its folder (runs/ID) or its id in the "
+                                           "site's store: uses 02-cast-bf16/checkpoint, 03-convert/checkpoint and "
+                                           "the run's dataset."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for the dumps and the reports (default: "
                                        "./diagnose, or RUN/diagnose with --run)."),
     mindspore_dump: Optional[Path] = typer.Option(None, "--mindspore-dump", help="Compare this existing dump "
@@ -131,6 +133,12 @@ def diagnose_command(
 
     Exit status 0 when no module diverges and the checkpoint loads strictly, 1 otherwise, 2 for unusable input.
     """
+    if run_dir is not None:
+        from crossalign.site import SiteError
+        from crossalign.store import StoreError
+
+        with user_errors(SiteError, StoreError):
+            run_dir = located_run(str(run_dir), None).path
     if npu_dump is not None or gpu_dump is not None or (run_dir is not None and _run_has_msprobe_dumps(run_dir)):
         _diagnose_msprobe(model, run_dir, npu_dump, gpu_dump, dump_step, out, precision, rows)
         return

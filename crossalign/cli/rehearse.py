@@ -10,6 +10,7 @@ import typer
 
 from crossalign.cli.common import console, err_console
 from crossalign.cli.run import rerun_dump_settings
+from crossalign.cli.runs import located_run
 
 
 def register(app: typer.Typer) -> None:
@@ -24,7 +25,8 @@ def _framework(given: Optional[Path], env: str | None, site_path) -> Optional[Pa
 
 
 def rehearse(
-    run_id: str = typer.Argument(..., help="the run whose steps to rehearse (its converted checkpoint and dataset)"),
+    run_id: str = typer.Argument(..., help="the run whose steps to rehearse (its converted checkpoint and dataset): "
+                                 "its id, or its folder (runs/ID)"),
     store: Optional[Path] = typer.Option(None, help="the run store (default: the site's store)"),
     megatron: Optional[Path] = typer.Option(None, help="Megatron-LM checkout (default: $MEGATRON_LM_PATH, then "
                                                        "the site's megatron.path)"),
@@ -51,12 +53,11 @@ def rehearse(
     import sys
 
     from crossalign.site import load_site
-    from crossalign.store import RunStore, StoreError
+    from crossalign.store import StoreError
 
     site = load_site()
-    root = Path(store) if store is not None else site.store
     try:
-        run = RunStore(root).run(run_id)
+        run = located_run(run_id, store)
         settings = rerun_dump_settings(dump, dump_step, dump_level, dump_task)
         if settings is not None and settings.step >= run.config.training.train_iters:
             raise ValueError(f"--dump-step {settings.step}: the run trains {run.config.training.train_iters} "
@@ -70,7 +71,7 @@ def rehearse(
         err_console.print("[bold red]error:[/] nothing to rehearse: give --megatron (or $MEGATRON_LM_PATH) and/or "
                           "--mindformers, or set megatron.path / mindformers.path in the site config")
         raise typer.Exit(2)
-    folder = (out or Path(f"rehearsal-{run_id}")).absolute()
+    folder = (out or Path(f"rehearsal-{run.run_id}")).absolute()
     failed = False
     if megatron_path is not None:
         failed |= not _gpu(run, megatron_path, folder / "gpu", checkpoint, fp32=not bf16, dump=settings)

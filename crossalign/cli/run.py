@@ -25,7 +25,7 @@ from rich.table import Table
 from crossalign.cli.common import console, err_console, user_errors
 from crossalign.cli.live import alignment_line, alignment_table
 from crossalign.cli.prefect_env import EXIT_INVALID, quiet_prefect, server_url
-from crossalign.cli.runs import status_table, store_root, styled
+from crossalign.cli.runs import located_run, run_location, status_table, styled
 from crossalign.flows.events import StepEvent, listening
 from crossalign.report.units import duration_text
 
@@ -148,13 +148,14 @@ def finish(state, resolved) -> int:
     return EXIT_FAIL
 
 
-def run_flow(resolved, verbose: bool) -> int:
-    """Run the alignment flow of a resolved request in this process, showing its steps; returns the exit code."""
+def run_flow(resolved, verbose: bool, rerun_form: dict[str, Any] | None = None) -> int:
+    """Run the alignment flow of a resolved request in this process, or with ``rerun_form`` the rerun flow (named
+    RUN-rerun-STEP, as from its form in the UI), showing its steps; returns the exit code."""
     request = resolved.request
     server_url(required=request.mode == "distributed")
     quiet_prefect(verbose)
     from crossalign.dag import STEPS, step_for  # imported when run, with Prefect: keeps crossalign --help fast
-    from crossalign.flows.alignment import alignment
+    from crossalign.flows.alignment import alignment, rerun
     from crossalign.request import handing_over
 
     store, run_id = resolved.store, resolved.run_id
@@ -162,14 +163,18 @@ def run_flow(resolved, verbose: bool) -> int:
     console.print(f"run [bold]{run_id}[/] ({request.mode}) in {store.root}", highlight=False)
     steps = [step_for(spec.name, start) for spec in STEPS]  # as this run carries them out (pools)
     with RunDisplay(run_id, steps) as display, listening(display.handle), handing_over(resolved):
-        state = alignment(**request.form(), return_state=True)
+        if rerun_form is None:
+            state = alignment(**request.form(), return_state=True)
+        else:
+            state = rerun(**rerun_form, return_state=True)
     return finish(state, resolved)
 
 
 def run(
     config: str = typer.Argument(..., help="a shipped config name (qwen35_dense_tiny) or a YAML file"),
     store: Optional[Path] = typer.Option(None, "--store", help="the run store (default: the site's store, ./runs)"),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="resume this run (finished steps are skipped)"),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="resume this run, by its id or its folder (runs/ID); "
+                                         "finished steps are skipped"),
     overrides: list[str] = typer.Option([], "--set", help="override a config value: training.train_iters=10"),
     distributed: bool = typer.Option(False, "--distributed",
                                      help="dispatch the steps to the npu/cpu/gpu pools' workers"),
@@ -188,6 +193,8 @@ def run(
     from crossalign.store import StoreError
 
     with user_errors(ConfigError, SiteError, StoreError):
+        if run_id is not None and "/" in run_id:  # the run's folder: runs/ID
+            store, run_id = run_location(run_id, store)
         resolved = RunRequest(config=config, run_id=run_id, overrides=overrides,
                               store=None if store is None else str(store),
                               mode="distributed" if distributed else "embedded", retries=retries,
@@ -198,7 +205,7 @@ def run(
 
 
 def rerun(
-    run_id: str = typer.Argument(..., help="the run to redo part of"),
+    run_id: str = typer.Argument(..., help="the run to redo part of: its id, or its folder (runs/ID)"),
     step: str = typer.Option(..., "--step", help="the step to redo; everything downstream is redone too"),
     store: Optional[Path] = typer.Option(None, "--store", help="the run store (default: the site's store)"),
     distributed: Optional[bool] = typer.Option(None, "--distributed/--embedded",
@@ -222,44 +229,34 @@ def rerun(
     from crossalign.dag import UnknownStep, downstream
     from crossalign.request import RunRequest
     from crossalign.site import SiteError
-    from crossalign.store import RunStore, StoreError
-
-    from crossalign.tasks.training import dumping_steps, request_dumps
+    from crossalign.store import StoreError
+    from crossalign.tasks.training import dumping_steps
 
     with user_errors(ConfigError, SiteError, StoreError, UnknownStep, ValueError):
         affected = downstream(step)
-        run = RunStore(store_root(store)).run(run_id)
+        run = located_run(run_id, store)
         settings = rerun_dump_settings(dump, dump_step, dump_level, dump_task)
         dumped = dumping_steps(affected, settings)
         if distributed is None:
             distributed = run.info["parameters"].get("mode") == "distributed"
-        resolved = RunRequest(config=None, run_id=run_id, store=str(run.store.root), rerun=[affected[0]],
-                              mode="distributed" if distributed else "embedded", retries=retries,
-                              retry_delay_s=retry_delay).resolve()
-        request_dumps(run, affected, settings)  # a plain rerun takes only the site's diagnose.dump again
+        mode = "distributed" if distributed else "embedded"
+        resolved = RunRequest(config=None, run_id=run.run_id, store=str(run.store.root), rerun=[affected[0]],
+                              mode=mode, retries=retries, retry_delay_s=retry_delay).resolve()
     console.print(f"redoing {', '.join(affected)}", highlight=False)
     if settings is not None:
         console.print(f"{' and '.join(dumped)} will dump iteration {settings.step} with msprobe ({settings.level}, "
                       f"{settings.task}) into msprobe_dump/", highlight=False)
-    raise typer.Exit(run_flow(resolved, verbose))
+    # the rerun flow, as the UI's rerun form runs it: it records the dump request in run.json
+    form = {"run_id": run.run_id, "step": affected[0], "store": str(run.store.root), "mode": mode, "retries": retries,
+            "retry_delay_s": retry_delay, "dump": dump, "dump_step": dump_step, "dump_level": dump_level,
+            "dump_task": dump_task}
+    raise typer.Exit(run_flow(resolved, verbose, rerun_form=form))
 
 
 def rerun_dump_settings(dump: bool, step: Optional[int], level: Optional[str], task: Optional[str]):
     """The dump ``rerun --dump`` asks for: the site's diagnose.dump (default settings without one), with the
     --dump-* options; None without --dump (a --dump-* option alone is refused)."""
-    from pydantic import ValidationError  # imported when run: keeps crossalign --help fast
-
-    from crossalign.dump_settings import DumpSettings
+    from crossalign.dump_settings import rerun_dump  # imported when run: keeps crossalign --help fast
     from crossalign.site import load_site
 
-    changes = {key: value for key, value in (("step", step), ("level", level), ("task", task)) if value is not None}
-    if not dump:
-        if changes:
-            raise ValueError(f"--dump-{next(iter(changes))} is given without --dump")
-        return None
-    base = load_site().diagnose.dump or DumpSettings()
-    try:
-        return DumpSettings.model_validate({**base.model_dump(), **changes})
-    except ValidationError as exc:
-        problems = "; ".join(f"--dump-{error['loc'][0]}: {error['msg']}" for error in exc.errors())
-        raise ValueError(problems) from None
+    return rerun_dump(load_site().diagnose.dump, dump, {"step": step, "level": level, "task": task})

@@ -5,10 +5,11 @@
 
 The flow itself decides nothing about the work: it prepares the run, checks the configs, then
 submits each step once its inputs are done, skipping steps whose manifests are already valid.
-A retried flow run (UI Retry) or a new run with the same run id therefore resumes where it
-stopped; on a retry or a rerun the outputs of a step it would skip are first checked against
-the sha256 in its manifest, so a damaged output is redone rather than consumed. Infrastructure
-failures are retried with backoff, deterministic ones are not.
+A flow run keeps the run id its first attempt made (and named it after), so every later attempt of
+it (Retry in the UI, an automatic retry, a flow-run process started again) resumes that run where it
+stopped, as a new flow run with the same run id does; on a retry or a rerun the outputs of a step it
+would skip are first checked against the sha256 in its manifest, so a damaged output is redone rather
+than consumed. Infrastructure failures are retried with backoff, deterministic ones are not.
 
 The run form's fields (and the command line's options) make one request (``crossalign.request``),
 resolved once: the config is loaded with its overrides there and frozen into the run's run.json.
@@ -30,7 +31,7 @@ from prefect.states import Completed, State
 
 from crossalign.config import ConfigError, load_config
 from crossalign.dag import STEPS, StepName, downstream
-from crossalign.dump_settings import DumpSettings
+from crossalign.dump_settings import DumpLevel, DumpTask, rerun_dump
 from crossalign.flows.events import StepEvent, emit
 from crossalign.flows.launch import execute_deployment, execute_subprocess, step_timeout
 from crossalign.flows.live import stop_error, stopped_outcome, watch_training
@@ -46,7 +47,7 @@ from crossalign.sides.megatron.side import MEGATRON
 from crossalign.sides.mindformers.side import MINDFORMERS
 from crossalign.site import load_site
 from crossalign.stop import clear_live, read_refusal
-from crossalign.store import RunStore, StoreError, new_run_id
+from crossalign.store import RunStore, StoreError, is_new_run_id, new_run_id
 from crossalign.tasks.errors import InfrastructureError, PreflightFailed, StepFailed
 from crossalign.tasks.prepare import prepare_run
 from crossalign.tasks.training import request_dumps
@@ -60,6 +61,19 @@ def name_flow_run(name: str) -> None:
     if flow_run_id and current_flow_run.get_name() != name:
         with get_client(sync_client=True) as client:
             client.update_flow_run(flow_run_id, name=name)
+
+
+def first_attempts_run_id() -> str | None:
+    """On a later attempt of the current flow run (Retry in the UI, an automatic retry, a flow-run process started
+    again), the run id its first attempt made and named it after; None on the first attempt, or when no attempt
+    got as far as naming it. Read from the server: an attempt retried in the same process keeps the flow run as it
+    was when the process started."""
+    flow_run_id = current_flow_run.get_id()
+    if not flow_run_id:
+        return None
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(flow_run_id)
+    return flow_run.name if flow_run.run_count > 1 and is_new_run_id(flow_run.name) else None
 
 
 def _flow_run_ui_url() -> str | None:
@@ -183,7 +197,8 @@ def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = Non
             the path of a config YAML on the orchestrator's machine. Empty: reopen the existing
             run_id as it was.
         run_id: The run in the store: resume it (finished steps are skipped). Empty: a new run
-            named MODEL-YYYYMMDD-HHMMSS-XXXX (when it started, and four random hex digits).
+            named MODEL-YYYYMMDD-HHMMSS-XXXX (when it started, and four random hex digits), made
+            once: a Retry of this flow run resumes it.
         overrides: Config changes, one KEY=VALUE per item, validated like the config file when
             the run starts (training.train_iters=10).
         store: The run store every agent mounts. Empty: the site config's store.
@@ -205,26 +220,32 @@ def alignment(config: str | None = "qwen35_dense_tiny", run_id: str | None = Non
             any more, and end the run fail (off here or in the site config: both always finish).
     """
     form = dict(locals())  # the form's fields are the request's own (tests/test_flow_units.py holds them equal)
+    if not (run_id or "").strip():
+        form["run_id"] = first_attempts_run_id()  # a retry resumes the run its first attempt started
     try:
         resolved = resolution(RunRequest(**form))
     except (ConfigError, StoreError) as exc:  # named as in the form
-        _name_refused(run_id, config)
+        _name_refused(form["run_id"], config)
         return failed(form_error(exc), cause=exc)
     name_flow_run(resolved.run_id)
     return align(resolved)
 
 
 @flow(name="rerun", flow_run_name="{run_id}-rerun-{step}")
-def rerun(run_id: str, step: StepName, store: str | None = None, retries: int = 2, retry_delay_s: float = 10.0,
-          step_timeout_s: float | None = None, poll_interval_s: float = 0.5, dump: bool = False) -> State:
+def rerun(run_id: str, step: StepName, store: str | None = None, mode: Mode | None = None, retries: int = 2,
+          retry_delay_s: float = 10.0, step_timeout_s: float | None = None, poll_interval_s: float = 0.5,
+          dump: bool = False, dump_step: int | None = None, dump_level: DumpLevel | None = None,
+          dump_task: DumpTask | None = None) -> State:
     """Redo one step of a run and everything downstream of it; finished upstream steps are skipped.
 
-    The steps run the way the run was started (distributed or embedded), with its config.
+    The steps run with the run's config; ``crossalign rerun RUN --step STEP`` runs this flow too.
 
     Args:
         run_id: The run in the store to redo part of.
         step: The step to redo; every step that reads from it is redone too.
         store: The run store every agent mounts. Empty: the site config's store.
+        mode: distributed (each step a flow run on its pool's workers) or embedded (local processes).
+            Empty: the way the run was started.
         retries: Attempts per step after an infrastructure failure (never after a bad input).
         retry_delay_s: Seconds before the first retry of a step, tripled for each further one.
         step_timeout_s: Give up on (and retry) a step whose flow run has run this many seconds.
@@ -232,17 +253,26 @@ def rerun(run_id: str, step: StepName, store: str | None = None, retries: int = 
             for each iteration the step trains.
         poll_interval_s: Seconds between looks at a step's flow run.
         dump: The redone alignment trainings (megatron-train, pynative-train) take msprobe dumps with the site's
-            diagnose.dump (default settings without one) into each step's msprobe_dump folder.
+            diagnose.dump (default settings without one), changed by dump_step, dump_level and dump_task, into each
+            step's msprobe_dump folder.
+        dump_step: With dump: the iteration to dump, from 0. Empty: the site's diagnose.dump.step.
+        dump_level: With dump: L0 (modules) or mix (modules and APIs). Empty: the site's.
+        dump_task: With dump: statistics, md5 or tensor. Empty: the site's.
     """
-    options = dict(locals())  # the form's fields are the request's own, but for step and dump
-    del options["step"], options["dump"]
+    options = dict(locals())  # the form's fields are the request's own, but for step, mode and the dump's
+    for name in ("step", "mode", "dump", "dump_step", "dump_level", "dump_task"):
+        del options[name]
     site = load_site()
-    root = RunStore(store or site.store)
-    run = root.run(run_id)
-    mode = run.info["parameters"].get("mode", "distributed")
+    try:
+        root = RunStore(store or site.store)
+        run = root.run(run_id)
+        settings = rerun_dump(site.diagnose.dump, dump, {"step": dump_step, "level": dump_level, "task": dump_task},
+                              option="dump", separator="_")
+        request_dumps(run, downstream(step), settings)
+    except (StoreError, ValueError) as exc:  # named as in the form
+        return failed(str(exc).replace("--dump", "dump"), cause=exc)
     resolved = RunRequest(**{**options, "config": None, "store": str(root.root), "rerun": [step],
-                             "mode": mode}).resolve()
-    request_dumps(run, downstream(step), (site.diagnose.dump or DumpSettings()) if dump else None)
+                             "mode": mode or run.info["parameters"].get("mode", "distributed")}).resolve()
     return align(resolved)
 
 

@@ -1,7 +1,8 @@
 """The nightly regression flow: align dense and MoE, compare with the previous night, keep a history.
 
-Each model runs as an alignment subflow with the run id ``nightly-<date>-<model>`` (so a
-re-triggered night resumes instead of starting over). The history lives in
+It aligns the configs it is given, else the site's ``nightly.configs`` (the tiny configs without one: the
+full-size ones are a distributed site's to name). Each model runs as an alignment subflow with the run id
+``nightly-<date>-<model>`` (so a re-triggered night resumes instead of starting over). The history lives in
 ``<store>/nightly/history.json`` with a trend plot ``trend.png`` beside it, shown in the UI as an
 image where the site names a report server. The flow run is named ``nightly-<date>``; it ends Failed
 when any model fails or regresses, which is what the nightly failure automation alerts on (its
@@ -46,7 +47,8 @@ def nightly(configs: list[str] | None = None, overrides: list[str] | None = None
 
     Args:
         configs: Shipped configs (qwen35_dense, qwen35_dense_tiny, qwen35_moe, qwen35_moe_tiny) or
-            config YAML paths to align, one per item. Empty: qwen35_dense and qwen35_moe.
+            config YAML paths to align, one per item. Empty: the site config's nightly.configs
+            (qwen35_dense_tiny and qwen35_moe_tiny without one).
         overrides: Config changes for every config, one KEY=VALUE per item (training.train_iters=10).
         store: The run store every agent mounts. Empty: the site config's store.
         mode: distributed: each step a flow run on its pool's workers; embedded: local processes.
@@ -57,7 +59,7 @@ def nightly(configs: list[str] | None = None, overrides: list[str] | None = None
         retry_delay_s: Seconds before the first retry of a step, tripled for each further one.
     """
     logger = get_run_logger()
-    configs = as_typed(configs) or ["qwen35_dense", "qwen35_moe"]
+    configs = as_typed(configs) or list(load_site().nightly.configs)
     today = date.fromisoformat(night) if night else datetime.now(timezone.utc).date()
     name_flow_run(f"nightly-{today:%Y%m%d}")
     try:  # a bad config or override fails the night before any run starts
