@@ -71,6 +71,7 @@ from crossalign.sides.mindformers.checkpoint import (
     write_mindformers_checkpoint,
 )
 from crossalign.sides.megatron.sharding import check_parallel_sizes, mindformers_split_dim
+from crossalign.sides.megatron.torch_dist_layout import torch_dist_layout
 from crossalign.checkpoint.rules import conversion_plan
 from crossalign.tensorio.torch_file import TensorSpec
 from crossalign.config import ConfigError, ModelConfig
@@ -105,19 +106,6 @@ HF_DIRECTIONS = ("hf2mg", "mg2hf", "hf2ms", "ms2hf")
 FORMATS = ("torch", "torch_dist")  # Megatron's --ckpt-format
 THROUGH = "0.16.1"  # the Megatron layout an hf2ms / ms2hf conversion passes through (any version gives the same)
 CONFIG_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Peak memory of ms2mg --format torch_dist over the imports, per byte of the model it writes: the converted state
-# dict and megatron-core's GPTModel built from it on the CPU for its own save. Measured with
-# benchmarks/convert_torch_dist.py (bf16 qwen35_dense 1.41 GB: 3.07 GB, 2.18x; qwen35_moe 1.49 GB: 3.30 GB, 2.21x).
-TORCH_DIST_MEMORY = 2.2
-TORCH_DIST_IMPORTS_BYTES = 0.5e9  # torch, crossalign and megatron-core imported (0.47 GB measured)
-
-
-def torch_dist_memory_note(model_bytes: int) -> str:
-    """The warning of an ms2mg --format torch_dist conversion: how much memory it holds, and what streams instead."""
-    need = TORCH_DIST_MEMORY * model_bytes + TORCH_DIST_IMPORTS_BYTES
-    return (f"--format torch_dist holds the whole model in memory (megatron-core's own save of its GPTModel built "
-            f"on the CPU): about {need / 1e9:.1f} GB for this {model_bytes / 1e9:.1f} GB model ({TORCH_DIST_MEMORY}x "
-            "its bytes + 0.5 GB); legacy --format torch streams a tensor at a time")
 
 
 def check_direction(direction: str) -> None:
@@ -183,8 +171,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     common.json records the Megatron iteration (and ``global_batch_size`` with the samples
     consumed, when given).
     ``dtype`` casts floating tensors (fp32, as the source converter does, bf16, or keep).
-    ``ckpt_format`` torch_dist makes ms2mg write Megatron's torch_dist checkpoint instead
-    (``torch_dist.py``): one copy of the whole model, resharded by Megatron at load, so it
+    ``ckpt_format`` torch_dist makes ms2mg write Megatron's torch_dist checkpoint instead, streamed
+    (``torch_dist_write.py``): one copy of the whole model, resharded by Megatron at load, so it
     takes no tp/pp/ep. mg2ms reads either format.
     hf2mg reads a Hugging Face folder tensor by tensor and writes Megatron's legacy checkpoint
     as ms2mg does (iteration 0: nothing trained yet); mg2hf merges a Megatron checkpoint of
@@ -230,15 +218,13 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                                 f"MindFormers checkpoint {source.directory}")
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
     if direction == "ms2mg" and ckpt_format == "torch_dist":
-        notes.append(torch_dist_memory_note(sum(spec.nbytes for spec in forward_specs(
-            plan, entries, model, core_version, experts, dtype).values())))
-        log.warning(notes[-1])
-        state = run_rules(plan, _counted(lambda keys: [source.tensor(key) for key in keys], bytes_in, progress, dtype),
-                          keys_in, True)
-        check_forward_output({k: tuple(v.shape) for k, v in state.items()}, model, core_version, experts, None)
-        keys_out, bytes_out = len(state), nbytes(state.values())
-        stored = state["embedding.word_embeddings.weight"].dtype
-        written = write_torch_dist_checkpoint(output_dir, iteration, state, model, core_version, stored)
+        specs = forward_specs(plan, entries, model, core_version, experts, dtype)
+        chunked = chunked_plan(plan, {key: info.nbytes for key, info in entries.items()})
+        keys_out, bytes_out = len(specs), sum(spec.nbytes for spec in specs.values())
+        with one_thread():
+            written = write_torch_dist_checkpoint(output_dir, iteration, specs, rule_outputs(
+                chunked, _counted(chunked_reads(source, model.num_experts or 1), bytes_in, progress),
+                _inputs(chunked, True), True, None), torch_dist_layout(model, core_version, experts))
         files = sorted(written.glob("*.distcp"))
     elif direction == "ms2mg":
         if fault is None:
