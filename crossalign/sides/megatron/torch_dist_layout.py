@@ -11,7 +11,9 @@ lay them out when one rank holds the whole model:
   ``transformer/transformer_block.py:824-868``), otherwise it stacks them: the key
   ``decoder.layers.X`` of global shape [L, ...], one chunk of [1, ...] per layer at offset l
   (``sharded_pp_offset = [(0, global_layer_offset, num_layers)]``). MTP layers keep their own
-  prefix ``mtp.layers.{k}.``;
+  prefix ``mtp.layers.{k}.``, and their inner layer is ``transformer_layer`` in both versions: 0.17.0
+  renamed the module ``mtp_model_layer`` but maps its sharded keys back (core_v0.17.0
+  ``transformer/multi_token_prediction.py:1185-1192``), so only the legacy keys differ;
 * GatedDeltaNet's in_proj and conv1d are stored as their parts, ``in_proj.weight.query`` ...
   ``.alpha`` and ``conv1d.weight.query`` ... ``.value`` (``ssm/gated_delta_net.py``,
   ``sharded_state_dict``), each part its rows of the fused tensor;
@@ -126,6 +128,7 @@ def torch_dist_layout(model: ModelConfig, core_version: str, experts: ExpertForm
     kinds = {f"decoder.layers.{i}.": kind for i, kind in enumerate(model.layer_kinds)}
     inner = mtp_layer_prefix(core_version)
     kinds.update({f"mtp.layers.{k}.{inner}.": "attention" for k in range(model.mtp_num_layers)})
+    sharded_prefix = {f"mtp.layers.{k}.{inner}.": f"mtp.layers.{k}.transformer_layer." for k in range(model.mtp_num_layers)}
     pieces: dict[str, tuple[Piece, ...]] = {}
     objects: list[str] = []
     for legacy, shape in shapes.items():
@@ -136,7 +139,7 @@ def torch_dist_layout(model: ModelConfig, core_version: str, experts: ExpertForm
         if layer and stacked_layers:  # one key for all layers: axis 0 is the layer
             outer, base = [(int(layer.group(1)), num_layers)], "decoder.layers."
         else:
-            outer, base = [], prefix
+            outer, base = [], sharded_prefix.get(prefix, prefix)
         routed = _ROUTED.fullmatch(name)
         if routed:
             key = f"{base}{routed.group(1)}mlp.experts.experts.{routed.group(2)}.weight"
