@@ -109,6 +109,8 @@ class SiteConfig(_Strict):
     diagnose: DiagnoseSite = Field(default_factory=DiagnoseSite)
     fail_fast: bool = Field(default=True, description="stop both alignment trainings as soon as what they logged "
                             "cannot pass any more (false: they always finish and step 6 judges)")
+    convert_parts: int = Field(default=1, ge=1, description="the parts (layer ranges) a torch_dist convert step is "
+                               "spread over: each a flow run on the cpu pool, at the same time on its workers")
 
     @field_validator("report_url")
     @classmethod

@@ -22,12 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from crossalign.checkpoint.convert import convert_checkpoint
+from crossalign.checkpoint.convert import convert_checkpoint, convert_part, finish_parts
 from crossalign.config import load_config
 from crossalign.models.layout import random_mindformers_state
 from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
-from crossalign.sides.megatron.torch_dist_layout import torch_dist_layout
-from crossalign.sides.megatron.torch_dist_write import finish_torch_dist, write_part
 from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
 from crossalign.tensorio.errors import CheckpointError
 
@@ -120,29 +118,23 @@ def test_torch_dist_reads_back_to_the_source_bit_for_bit(tmp_path, torch_dist, b
 
 
 def test_parts_written_apart_give_the_one_process_checkpoint(tmp_path, torch_dist, bf16_source):
-    """Three parts (the layer ranges that the cpu pool's workers write) and the index: the same checkpoint."""
-    from crossalign.checkpoint.convert import mindformers_to_megatron
-
-    full = mindformers_to_megatron({key: value for key, value in bf16_source[1].items()
-                                    if "tokens_per_expert" not in key}, MOE, CORE)
-    layout = torch_dist_layout(MOE, CORE)
-    keys = list(layout.pieces)
-    folder = tmp_path / "iter_0000004"
-    folder.mkdir()
-    ranges = [keys[:40], keys[40:90], keys[90:]]
-    for part in (2, 0, 1):  # in any order, as workers finish
-        from crossalign.tensorio.torch_file import TensorSpec
-
-        specs = {key: TensorSpec(tuple(full[key].shape), torch.bfloat16) for key in ranges[part]}
-        write_part(folder, part, specs, ((key, full[key]) for key in ranges[part]), layout, with_objects=part == 0)
+    """Three parts (the layer ranges the cpu pool's workers write, in any order) and the index: the same
+    checkpoint as the one process writes; the output appears only when the index is written."""
+    parts = tmp_path / "parts"
+    for part in (2, 0, 1):
+        report = convert_part(MOE, bf16_source[0], parts, part, 3, dtype="bf16")
+        assert report.files == [parts / "iter_0000004" / f"__{part}_0.distcp"]
     with pytest.raises(CheckpointError, match="part 3 of 4 has not been written"):
-        finish_torch_dist(folder, 4, layout, 4)
-    finish_torch_dist(folder, 3, layout, 4)
-    one = out_dir = torch_dist[0] / "iter_0000004"
+        finish_parts(MOE, bf16_source[0], parts, tmp_path / "mg", 4, dtype="bf16")
+    assert not (tmp_path / "mg").exists()
+    finish_parts(MOE, bf16_source[0], parts, tmp_path / "mg", 3, dtype="bf16")
+    folder, one = tmp_path / "mg" / "iter_0000004", torch_dist[0] / "iter_0000004"
+    assert not parts.exists() and (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert _index(folder).state_dict_metadata == _index(one).state_dict_metadata
-    ours, theirs = _tensors(folder), _tensors(out_dir)
+    ours, theirs = _tensors(folder), _tensors(one)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
-    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp",
+                                                        "common.pt", "metadata.json"]
 
 
 def test_torch_dist_takes_no_layout(tmp_path, bf16_source):
@@ -276,7 +268,7 @@ def test_stacked_layers_match_megatron_cores_own_save(tmp_path):
     """A config whose layers are all alike (linear_attention_freq 1, as the real-layer benchmark's): megatron-core
     stacks them under one key per tensor, [L, ...] with a chunk per layer; its own load takes ours and its own
     save holds the same keys, chunks and data."""
-    model = MOE.model_copy(update={"linear_attention_freq": 1})
+    model = type(MOE).model_validate({**MOE.model_dump(), "linear_attention_freq": 1})  # validated anew
     source, state = _bf16_source(tmp_path / "ms", model)
     ours = tmp_path / "ours"
     convert_checkpoint(model, "ms2mg", source, ours, dtype="bf16", ckpt_format="torch_dist")

@@ -59,20 +59,24 @@ from crossalign.checkpoint.expert_chunks import chunked_plan, chunked_reads, joi
 from crossalign.checkpoint.hf import read_hf_checkpoint, write_hf_checkpoint
 from crossalign.models.layout import check_expert_form, megatron_shapes
 from crossalign.sides.megatron.checkpoint import (
+    TRACKER,
+    iteration_dir_name,
     open_megatron,
     read_megatron_checkpoint,
     stream_megatron_checkpoint,
     write_torch_dist_checkpoint,
 )
 from crossalign.sides.mindformers.checkpoint import (
+    MindFormersCheckpoint,
     default_common,
     read_mindformers_checkpoint,
     stream_mindformers_checkpoint,
     write_mindformers_checkpoint,
 )
 from crossalign.sides.megatron.sharding import check_parallel_sizes, mindformers_split_dim
-from crossalign.sides.megatron.torch_dist_layout import torch_dist_layout
-from crossalign.checkpoint.rules import conversion_plan
+from crossalign.sides.megatron.torch_dist_layout import part_of, torch_dist_layout
+from crossalign.sides.megatron.torch_dist_write import finish_torch_dist, write_part
+from crossalign.checkpoint.rules import PlacedRule, conversion_plan
 from crossalign.tensorio.torch_file import TensorSpec
 from crossalign.config import ConfigError, ModelConfig
 from crossalign.hf_config import hf_config_from_model
@@ -219,12 +223,10 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
     if direction == "ms2mg" and ckpt_format == "torch_dist":
         specs = forward_specs(plan, entries, model, core_version, experts, dtype)
-        chunked = chunked_plan(plan, {key: info.nbytes for key, info in entries.items()})
         keys_out, bytes_out = len(specs), sum(spec.nbytes for spec in specs.values())
         with one_thread():
-            written = write_torch_dist_checkpoint(output_dir, iteration, specs, rule_outputs(
-                chunked, _counted(chunked_reads(source, model.num_experts or 1), bytes_in, progress),
-                _inputs(chunked, True), True, None), torch_dist_layout(model, core_version, experts))
+            written = write_torch_dist_checkpoint(output_dir, iteration, specs, _part_outputs(
+                model, source, plan, 0, 1, progress), torch_dist_layout(model, core_version, experts))
         files = sorted(written.glob("*.distcp"))
     elif direction == "ms2mg":
         if fault is None:
@@ -279,6 +281,94 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                          seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype,
                          format=ckpt_format if direction == "ms2mg" else source_format, fault=fault,
                          output_validated=fault is None, notes=notes)
+
+
+def _part_plan(model: ModelConfig, plan: list[PlacedRule], part: int, parts: int) -> list[PlacedRule]:
+    """The rules of ``part`` of ``parts``: those whose Megatron keys are in its layer range (``part_of``)."""
+    return [placed for placed in plan if part_of(placed.target_keys[0], model, parts) == part]
+
+
+def _part_outputs(model: ModelConfig, source: MindFormersCheckpoint, plan: list[PlacedRule], part: int, parts: int,
+                  progress: Progress | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Megatron tensors of ``part`` of ``parts``, each rule's as it comes (routed experts a chunk at a time)."""
+    mine = _part_plan(model, plan, part, parts)
+    entries = source.model_entries()
+    chunked = chunked_plan(mine, {key: info.nbytes for key, info in entries.items()})
+    bytes_in = sum(entries[key].nbytes for placed in mine for key in placed.source_keys)
+    return rule_outputs(chunked, _counted(chunked_reads(source, model.num_experts or 1), bytes_in, progress),
+                        _inputs(chunked, True), True, None)
+
+
+def _torch_dist_source(model: ModelConfig, input_dir: Path, core_version: str, dtype: str, experts: str):
+    """A MindFormers checkpoint's plan into torch_dist: (source, plan, specs, layout, notes), checked."""
+    check_dtype(dtype)
+    check_expert_form(experts)
+    source = read_mindformers_checkpoint(input_dir)
+    entries = source.model_entries()
+    notes = left_out_buffers(source, model)
+    plan = to_megatron_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, None,
+                            f"MindFormers checkpoint {source.directory}")
+    specs = forward_specs(plan, entries, model, core_version, experts, dtype)
+    return source, plan, specs, torch_dist_layout(model, core_version, experts), notes
+
+
+def parts_folder(output_dir: Path) -> Path:
+    """Where the parts of a torch_dist conversion into ``output_dir`` are written: its sibling ``<name>.parts``."""
+    return Path(output_dir).with_name(Path(output_dir).name + ".parts")
+
+
+def convert_part(model: ModelConfig, input_dir: Path, parts_dir: Path, part: int, parts: int, *,
+                 core_version: str = "0.16.1", dtype: str = "fp32", experts: str = "per_expert",
+                 progress: Progress | None = None) -> ConvertReport:
+    """ms2mg into torch_dist, part ``part`` of ``parts``: the layer range ``part_of`` gives it, written into
+    ``parts_dir`` (shared by every part, on any machine) as ``iter_N/__{part}_0.distcp`` and its own index.
+
+    Parts run at the same time; ``finish_parts`` then writes the checkpoint's index and moves it
+    into place. A part written again replaces its files.
+    """
+    if not 0 <= part < parts:
+        raise CheckpointError(f"part {part} of {parts}: parts are numbered 0 .. {parts - 1}")
+    start = time.perf_counter()
+    source, plan, specs, layout, notes = _torch_dist_source(model, Path(input_dir), core_version, dtype, experts)
+    iteration = source.iteration or 0
+    folder = Path(parts_dir) / iteration_dir_name(iteration)
+    folder.mkdir(parents=True, exist_ok=True)
+    mine = _part_plan(model, plan, part, parts)
+    specs = {key: specs[key] for placed in mine for key in placed.target_keys}
+    with one_thread():
+        write_part(folder, part, specs, _part_outputs(model, source, plan, part, parts, progress), layout,
+                   with_objects=part == 0)
+    entries = source.model_entries()
+    bytes_in = sum(entries[key].nbytes for placed in mine for key in placed.source_keys)
+    bytes_out = sum(spec.nbytes for spec in specs.values())
+    return ConvertReport(direction="ms2mg", input_dir=Path(input_dir), output_dir=Path(parts_dir),
+                         iteration=iteration, keys_in=len(source.model_entries()), keys_out=len(specs),
+                         bytes_in=bytes_in, bytes_out=bytes_out, seconds=time.perf_counter() - start,
+                         files=[folder / f"__{part}_0.distcp"], dtype=dtype, format="torch_dist", notes=notes)
+
+
+def finish_parts(model: ModelConfig, input_dir: Path, parts_dir: Path, output_dir: Path, parts: int, *,
+                 core_version: str = "0.16.1", dtype: str = "fp32", experts: str = "per_expert") -> ConvertReport:
+    """The torch_dist checkpoint of ``parts`` parts written into ``parts_dir`` (``convert_part``): its index
+    (every chunk of the model stored exactly once, or nothing is done), metadata.json, common.pt and tracker;
+    then ``parts_dir`` becomes ``output_dir``, which appears only complete."""
+    start = time.perf_counter()
+    output_dir = Path(output_dir)
+    check_output_dir(output_dir)
+    source, _, specs, layout, notes = _torch_dist_source(model, Path(input_dir), core_version, dtype, experts)
+    iteration = source.iteration or 0
+    folder = Path(parts_dir) / iteration_dir_name(iteration)
+    finish_torch_dist(folder, parts, layout, iteration)
+    (Path(parts_dir) / TRACKER).write_text(str(iteration))
+    if output_dir.exists():
+        output_dir.rmdir()
+    Path(parts_dir).rename(output_dir)
+    written = output_dir / iteration_dir_name(iteration)
+    return ConvertReport(direction="ms2mg", input_dir=Path(input_dir), output_dir=output_dir, iteration=iteration,
+                         keys_in=len(source.model_entries()), keys_out=len(specs),
+                         bytes_in=sum(info.nbytes for info in source.model_entries().values()),
+                         bytes_out=sum(spec.nbytes for spec in specs.values()), seconds=time.perf_counter() - start,
+                         files=sorted(written.glob("*.distcp")), dtype=dtype, format="torch_dist", notes=notes)
 
 
 def _convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: Path, start: float, *,

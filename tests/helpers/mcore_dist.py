@@ -60,13 +60,15 @@ def save_sharded(net, folder: Path, model: ModelConfig, core_version: str) -> No
 
 def load_sharded(net, folder: Path, model: ModelConfig, core_version: str) -> None:
     """megatron-core's ``dist_checkpointing.load`` of a torch_dist folder into a built model, then its strict
-    ``load_state_dict``."""
+    ``load_state_dict`` (of what it returns less common.pt's entries, which it merges in: Megatron-LM reads the
+    checkpoint version and iteration there, beside its model)."""
     from megatron.core import dist_checkpointing
 
     sharded = sharded_state_dict_as_te(net, model, core_version)
     with cpu_writer():
         loaded = dist_checkpointing.load(sharded, str(folder))
-    net.load_state_dict(loaded, strict=True)
+    common = torch.load(Path(folder) / "common.pt", weights_only=True)
+    net.load_state_dict({key: value for key, value in loaded.items() if key not in common}, strict=True)
 
 
 def megatron_core_save(folder: Path, state: Mapping[str, torch.Tensor], model: ModelConfig, core_version: str,

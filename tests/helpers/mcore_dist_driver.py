@@ -39,7 +39,7 @@ def _rank(rank: int, world: int, args: list[str], rendezvous: str) -> None:
     if __version__ != core:
         raise SystemExit(f"megatron-core {__version__} is first on the path, not {core}")
     config = load_config(config_name)
-    model = config.model.model_copy(update={"linear_attention_freq": int(freq)})
+    model = type(config.model).model_validate({**config.model.model_dump(), "linear_attention_freq": int(freq)})
     state = read_mindformers_checkpoint(Path(source))
     full = mindformers_to_megatron({key: state.tensor(key) for key in state.model_entries()}, model, core)
     sizes = dict(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)

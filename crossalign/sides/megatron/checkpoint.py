@@ -39,7 +39,7 @@ from crossalign.sides.megatron.sharding import Rank, check_parallel_sizes, is_ro
 from crossalign.tensorio.safetensors_io import read_into
 from crossalign.sides.megatron.torch_dist import is_torch_dist, torch_dist_plan
 from crossalign.sides.megatron.torch_dist_layout import TorchDistLayout
-from crossalign.sides.megatron.torch_dist_write import fill_torch_dist
+from crossalign.sides.megatron.torch_dist_write import finish_torch_dist, write_part
 from crossalign.tensorio.torch_file import TensorSpec, TorchFileWriter, write_to_all
 from crossalign.config import ModelConfig
 
@@ -356,7 +356,12 @@ def write_megatron_checkpoint(root: Path, iteration: int, state: Mapping[str, to
 
 def write_torch_dist_checkpoint(root: Path, iteration: int, specs: Mapping[str, TensorSpec],
                                 tensors: Iterable[tuple[str, torch.Tensor]], layout: TorchDistLayout) -> Path:
-    """Stream the full model (TP 1 legacy keys ``specs``, in that order) into a torch_dist checkpoint of ``layout``
-    (``torch_dist_write.py``), tracker and all; returns the iteration folder."""
-    return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER,
-                          lambda folder: fill_torch_dist(folder, specs, tensors, layout, iteration))
+    """Stream the full model (legacy TE keys at TP 1, ``specs`` in the order ``tensors`` hands them over) into a
+    torch_dist checkpoint of ``layout`` in one process (``torch_dist_write.py``), tracker and all; returns the
+    iteration folder."""
+
+    def fill(folder: Path) -> None:
+        write_part(folder, 0, specs, tensors, layout, with_objects=True)
+        finish_torch_dist(folder, 1, layout, iteration)
+
+    return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER, fill)

@@ -175,3 +175,12 @@ def _object_key(module: str, axes: list[tuple[int, int]]) -> str:
     offsets, shape = (tuple(zip(*axes)) if axes else ((0,), (1,)))
     return f"{module}._extra_state/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, shape))}"
 
+
+def part_of(key: str, model: ModelConfig, parts: int) -> int:
+    """Which of ``parts`` parts (0 ..) writes a legacy key: the decoder layers in equal contiguous ranges (as
+    pipeline stages take them), the embedding with the first range, the final norm, output layer and MTP block
+    with the last."""
+    layer = _LAYER.fullmatch(key)
+    if layer:
+        return int(layer.group(1)) * parts // model.num_layers
+    return 0 if key.startswith("embedding.") else parts - 1

@@ -175,9 +175,3 @@ def finish_torch_dist(folder: Path, parts: int, layout: TorchDistLayout, iterati
     torch.save({"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}, folder / COMMON)
     (folder / METADATA).write_text(json.dumps(CHECKPOINTING_CONFIG))
 
-
-def fill_torch_dist(folder: Path, specs: Mapping[str, TensorSpec], tensors: Iterable[tuple[str, torch.Tensor]],
-                    layout: TorchDistLayout, iteration: int) -> None:
-    """A whole torch_dist iteration folder from one stream (one part, then the index)."""
-    write_part(folder, 0, specs, tensors, layout, with_objects=True)
-    finish_torch_dist(folder, 1, layout, iteration)
