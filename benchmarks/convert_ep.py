@@ -56,7 +56,8 @@ if step == "generate":
     state = {key: value.bfloat16() for key, value in random_mindformers_state(model, seed=1).items()}
     write_mindformers_checkpoint(Path(target), 100, state, None, default_common(100, 8))
 elif step == "ms2mg":
-    convert_checkpoint(model, "ms2mg", Path(source), Path(target), ep=int(ep), ckpt_format=ckpt_format)
+    convert_checkpoint(model, "ms2mg", Path(source), Path(target), ep=int(ep) if ckpt_format == "torch" else 1,
+                       ckpt_format=ckpt_format)
 else:
     convert_checkpoint(model, "mg2ms", Path(source), Path(target))
 print(json.dumps({"seconds": time.perf_counter() - start}))

@@ -6,6 +6,10 @@ still run its framework on an SSH host). The report of step 6 is published by th
 shows it. A step flow is idempotent: a step whose manifest is valid is reported as done without
 redoing it, so a duplicate or retried flow run is harmless. A failure is recorded in the store with
 whether another attempt could help; the parent reads it to decide on a retry.
+
+A torch_dist convert step spread over the cpu pool (site ``convert_parts``) starts its parts as
+``convert-part`` flow runs, which the pool's workers run at the same time, waits for them, and then
+writes the index (``crossalign.tasks.convert``).
 """
 
 from __future__ import annotations

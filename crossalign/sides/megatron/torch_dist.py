@@ -104,7 +104,13 @@ class _FileView(io.RawIOBase):
 
 @dataclass
 class StoredChunk:
-    """One chunk of a sharded key: where its ``torch.save`` blob is, and what the index says it holds."""
+    """One chunk of a sharded key: where its ``torch.save`` blob is, and what the index says it holds.
+
+    Before its first read the blob's zip records are checked: one stored tensor record of the
+    chunk's bytes. The first chunk of each key (``unpickle``) is also loaded on the meta device by
+    torch, which reads only its pickle, to check the dtype and shape it holds (about a millisecond
+    a blob: for every chunk it would cost a real model's conversion minutes).
+    """
 
     file: Path
     key: str
@@ -113,6 +119,7 @@ class StoredChunk:
     offsets: tuple[int, ...]  # of the chunk in the global tensor
     sizes: tuple[int, ...]
     dtype: torch.dtype
+    unpickle: bool = False
     _data: int | None = None  # file offset of the chunk's bytes, found on the first read
 
     def _data_offset(self) -> int:
@@ -120,10 +127,11 @@ class StoredChunk:
         if self._data is not None:
             return self._data
         where = f"{self.file}: {self.key!r} chunk at {list(self.offsets)}"
+        nbytes = math.prod(self.sizes) * self.dtype.itemsize
         try:
             with open(self.file, "rb") as handle:
                 blob = _FileView(handle, self.offset, self.length)
-                meta = torch.load(blob, map_location="meta", weights_only=True)
+                meta = torch.load(blob, map_location="meta", weights_only=True) if self.unpickle else None
                 blob.seek(0)
                 with zipfile.ZipFile(blob) as archive:
                     records = [info for info in archive.infolist() if info.filename.endswith("/data/0")]
@@ -132,13 +140,16 @@ class StoredChunk:
                 lengths = blob.read(4)
         except Exception as exc:  # a blob that is not a torch.save file raises whatever its parser meets
             raise CheckpointError(f"{where}: not a torch.save blob ({exc})") from None
-        nbytes = math.prod(self.sizes) * self.dtype.itemsize
-        if (not isinstance(meta, torch.Tensor) or meta.dtype != self.dtype or tuple(meta.shape) != self.sizes
-                or not meta.is_contiguous() or meta.storage_offset() != 0 or header is None
-                or records[0].file_size != nbytes or records[0].compress_type != zipfile.ZIP_STORED):
+        if meta is not None and (not isinstance(meta, torch.Tensor) or meta.dtype != self.dtype
+                                 or tuple(meta.shape) != self.sizes or not meta.is_contiguous()
+                                 or meta.storage_offset() != 0):
             what = f"{meta.dtype} {list(meta.shape)}" if isinstance(meta, torch.Tensor) else type(meta).__name__
             raise CheckpointError(f"{where}: the data file holds {what}, the index says {self.dtype} "
                                   f"{list(self.sizes)}")
+        if header is None or records[0].file_size != nbytes or records[0].compress_type != zipfile.ZIP_STORED:
+            held = f"{records[0].file_size} bytes" if header is not None else f"{len(records)} tensor records"
+            raise CheckpointError(f"{where}: the data file holds {held}, the index says {self.dtype} "
+                                  f"{list(self.sizes)} ({nbytes} bytes)")
         name_length, extra_length = int.from_bytes(lengths[:2], "little"), int.from_bytes(lengths[2:], "little")
         self._data = self.offset + header + _LOCAL_HEADER_BYTES + name_length + extra_length
         return self._data
@@ -154,7 +165,7 @@ class DistTensor:
     """One legacy tensor of a torch_dist folder, read from the chunks that hold its pieces (a merge ``Part``)."""
 
     def __init__(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, pieces: tuple[Piece, ...],
-                 chunks: dict[str, list[StoredChunk]], directory: Path, scratch: ReusedBuffer):
+                 chunks: dict[str, dict[tuple, StoredChunk]], directory: Path, scratch: ReusedBuffer):
         self.key, self.shape, self.dtype, self.pieces, self.chunks = key, shape, dtype, pieces, chunks
         self.where, self._scratch = f"{directory}: {pieces[0].key}", scratch
 
@@ -165,13 +176,15 @@ class DistTensor:
         return out
 
     def _read_piece(self, piece: Piece, target: torch.Tensor) -> None:
-        for chunk in self.chunks[piece.key]:
+        chunks = self.chunks[piece.key]
+        exact = chunks.get((piece.offsets, piece.sizes))
+        if exact is not None and target.is_contiguous():  # the chunk is the piece: straight into the target
+            exact.read(target)
+            return
+        for chunk in chunks.values():
             low = [max(a, b) for a, b in zip(piece.offsets, chunk.offsets)]
             high = [min(a + n, b + m) for a, n, b, m in zip(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)]
             if any(lo >= hi for lo, hi in zip(low, high)):
-                continue
-            if chunk.offsets == piece.offsets and chunk.sizes == piece.sizes and target.is_contiguous():
-                chunk.read(target)
                 continue
             data = self._scratch.view(chunk.sizes, chunk.dtype)
             chunk.read(data)
@@ -232,7 +245,7 @@ def torch_dist_plan(directory: Path, model: ModelConfig, core_version: str,
     layout = torch_dist_layout(model, core_version, experts)
     expected = layout.global_shapes
     aliases = local_aliases(model, core_version, experts)
-    stored: dict[str, list[StoredChunk]] = {}
+    stored: dict[str, dict[tuple, StoredChunk]] = {}
     sizes: dict[Path, int] = {}
     dtypes: dict[torch.dtype, str] = {}
     for name, info in metadata.state_dict_metadata.items():
@@ -266,9 +279,9 @@ def torch_dist_plan(directory: Path, model: ModelConfig, core_version: str,
                 raise CheckpointError(f"{file}: truncated: {name!r} is stored up to byte {where.offset + where.length}"
                                       f", the file has {sizes[file]}")
             chunks.append(StoredChunk(file, name, where.offset, where.length, tuple(chunk.offsets),
-                                      tuple(chunk.sizes), dtype))
+                                      tuple(chunk.sizes), dtype, unpickle=not chunks))
         _tiles(name, tuple(info.size), chunks, index)
-        stored[key] = chunks
+        stored[key] = {(chunk.offsets, chunk.sizes): chunk for chunk in chunks}
     missing = sorted(set(expected) - set(stored))
     if missing:
         raise CheckpointError(f"{index}: model {model.name} (core {core_version}) has {len(missing)} tensors the "
