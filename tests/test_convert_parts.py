@@ -1,8 +1,11 @@
-"""The torch_dist convert step spread over the cpu pool: a real Prefect server, prefect.yaml's deployments, two
-workers of the cpu pool started by ``crossalign agent start`` (separate processes sharing the run store).
+"""The torch_dist convert step spread over the cpu pool.
 
-The convert step's flow run starts the parts (``convert-part`` flow runs, a range of layers each), which run at
-the same time on the pool's workers and write their own data files; then it writes the index and commits the
+The step function finishes the parts it finds in the run's parts folder (written by the part
+function, in any order) and converts alone without them, into the same checkpoint. End to end: a
+real Prefect server, prefect.yaml's deployments, two workers of the cpu pool started by
+``crossalign agent start`` (separate processes sharing the run store); the convert step's flow run
+starts the parts (``convert-part`` flow runs, a range of layers each), which run at the same time on
+the pool's workers and write their own data files; then it writes the index and commits the
 checkpoint, which holds the same tensors, index and chunks as the one-process conversion.
 """
 
@@ -18,8 +21,6 @@ import torch
 
 from crossalign.agents.server import stop_process
 from crossalign.store import RunStore
-
-pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 CROSSALIGN = str(Path(sys.executable).with_name("crossalign"))
@@ -41,6 +42,46 @@ def _index_and_tensors(folder: Path):
     return index, tensors
 
 
+def _run_with_a_bf16_checkpoint(store: Path):
+    """A torch_dist run whose steps 1 and 2 are committed with a real bf16 MindFormers checkpoint (the convert step's
+    input), through the store's own commits."""
+    from crossalign.models.layout import random_mindformers_state
+    from crossalign.request import RunRequest
+    from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
+    from crossalign.tasks.prepare import prepare_run
+
+    run = prepare_run(RunRequest(config="qwen35_moe_tiny", run_id="parts", store=str(store), mode="embedded",
+                                 overrides=OVERRIDES).resolve())
+    state = {key: value.bfloat16() for key, value in random_mindformers_state(run.config.model, seed=5).items()}
+    for step in ("base-train", "cast-bf16"):
+        with run.commit(step, command="written by the test") as out:
+            write_mindformers_checkpoint(out.dir / "checkpoint", 2, state, None, default_common(2, 2))
+    return run
+
+
+def test_the_step_finishes_parts_it_finds_and_converts_alone_without_them(tmp_path):
+    from crossalign.site import SiteConfig
+    from crossalign.tasks.convert import convert, convert_part, parts_dir
+
+    run = _run_with_a_bf16_checkpoint(tmp_path / "store")
+    spec, site = run.spec("convert"), SiteConfig(store=tmp_path / "store", convert_parts=2)
+    alone = convert(run, spec, site)  # no parts written: the whole conversion in the step's process
+    assert "parts" not in alone["details"] and alone["details"]["format"] == "torch_dist"
+    one_process = _index_and_tensors(next((run.step_dir("convert") / "checkpoint").glob("iter_*")))
+    run.invalidate("convert")
+    for part in (1, 0):
+        convert_part(run, spec, part, 2)
+    assert sorted(p.name for p in parts_dir(run, spec).glob("iter_*/*")) == [
+        "__0.metadata", "__0_0.distcp", "__1.metadata", "__1_0.distcp"]
+    finished = convert(run, spec, site)
+    assert finished["details"]["parts"] == 2 and not parts_dir(run, spec).exists()
+    folder = next((run.step_dir("convert") / "checkpoint").glob("iter_*"))
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    (index, tensors), (one_index, one_tensors) = _index_and_tensors(folder), one_process
+    assert index == one_index and all(torch.equal(tensors[key], one_tensors[key]) for key in one_tensors)
+
+
+@pytest.mark.slow
 def test_the_convert_step_writes_its_parts_at_the_same_time_on_two_cpu_workers(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
