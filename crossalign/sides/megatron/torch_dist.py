@@ -244,14 +244,17 @@ def torch_dist_plan(directory: Path, model: ModelConfig, core_version: str,
     metadata = read_index(directory)
     layout = torch_dist_layout(model, core_version, experts)
     expected = layout.global_shapes
-    aliases = local_aliases(model, core_version, experts)
+    aliases: dict[str, str] | None = None  # built only for a checkpoint of the local model's keys
     stored: dict[str, dict[tuple, StoredChunk]] = {}
     sizes: dict[Path, int] = {}
     dtypes: dict[torch.dtype, str] = {}
     for name, info in metadata.state_dict_metadata.items():
         if not isinstance(info, TensorStorageMetadata) or not name.startswith(MODEL_PREFIXES):
             continue
-        key = aliases.get(name, name)
+        key = name
+        if key not in expected:
+            aliases = local_aliases(model, core_version, experts) if aliases is None else aliases
+            key = aliases.get(name, name)
         if key not in expected:
             raise CheckpointError(f"{index}: {name!r} is not a tensor of model {model.name} (core {core_version})")
         if tuple(info.size) != expected[key]:

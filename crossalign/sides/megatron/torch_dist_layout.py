@@ -112,11 +112,12 @@ def _row_parts(name: str, rows: int, model: ModelConfig) -> list[tuple[str, tupl
     return [("", None)]
 
 
-def _norm_renames(model: ModelConfig, kind: str, names: Names) -> dict[str, str]:
-    """TE name -> the name under ``names`` of the fused norms of one layer (relative to the layer)."""
+def _norm_renames(model: ModelConfig, names: Names) -> dict[str, dict[str, str]]:
+    """Per layer kind, TE name -> the name under ``names`` of its fused norms (relative to the layer)."""
     if names == "te":
-        return {}
-    return {te: local for te, local in layer_renames(model, kind) if "mlp.experts." not in te}
+        return {"attention": {}, "gdn": {}}
+    return {kind: {te: local for te, local in layer_renames(model, kind) if "mlp.experts." not in te}
+            for kind in ("attention", "gdn")}
 
 
 def torch_dist_layout(model: ModelConfig, core_version: str, experts: ExpertForm = "per_expert",
@@ -125,21 +126,23 @@ def torch_dist_layout(model: ModelConfig, core_version: str, experts: ExpertForm
     shapes = megatron_shapes(model, core_version, experts)
     stacked_layers = homogeneous_layers(model)
     num_layers, num_experts = model.num_layers, model.num_experts or 0
-    kinds = {f"decoder.layers.{i}.": kind for i, kind in enumerate(model.layer_kinds)}
-    inner = mtp_layer_prefix(core_version)
-    kinds.update({f"mtp.layers.{k}.{inner}.": "attention" for k in range(model.mtp_num_layers)})
-    sharded_prefix = {f"mtp.layers.{k}.{inner}.": f"mtp.layers.{k}.transformer_layer." for k in range(model.mtp_num_layers)}
+    renames = _norm_renames(model, names)
+    mtp_inner = re.compile(rf"(mtp\.layers\.\d+\.){mtp_layer_prefix(core_version)}\.(.*)")
     pieces: dict[str, tuple[Piece, ...]] = {}
     objects: list[str] = []
     for legacy, shape in shapes.items():
-        layer = _LAYER.fullmatch(legacy)
-        prefix = next((p for p in kinds if legacy.startswith(p)), "")
-        name = legacy[len(prefix):]
-        name = _norm_renames(model, kinds[prefix], names).get(name, name) if prefix else name
-        if layer and stacked_layers:  # one key for all layers: axis 0 is the layer
-            outer, base = [(int(layer.group(1)), num_layers)], "decoder.layers."
+        layer, inner = _LAYER.fullmatch(legacy), mtp_inner.fullmatch(legacy)
+        outer: list[tuple[int, int]] = []
+        if layer:
+            name = renames[model.layer_kinds[int(layer.group(1))]].get(layer.group(2), layer.group(2))
+            if stacked_layers:  # one key for all layers: axis 0 is the layer
+                base, outer = "decoder.layers.", [(int(layer.group(1)), num_layers)]
+            else:
+                base = f"decoder.layers.{layer.group(1)}."
+        elif inner:
+            base, name = f"{inner.group(1)}transformer_layer.", renames["attention"].get(inner.group(2), inner.group(2))
         else:
-            outer, base = [], sharded_prefix.get(prefix, prefix)
+            base, name = "", legacy
         routed = _ROUTED.fullmatch(name)
         if routed:
             key = f"{base}{routed.group(1)}mlp.experts.experts.{routed.group(2)}.weight"
@@ -155,14 +158,13 @@ def torch_dist_layout(model: ModelConfig, core_version: str, experts: ExpertForm
             for suffix, rows in _row_parts(name, inner_shape[0], model):
                 first, stop = rows if rows is not None else (0, inner_shape[0])
                 part_shape = (stop - first, *inner_shape[1:])
-                global_rows = part_shape[0] if suffix else inner_shape[0]
-                offset_rows = 0 if suffix else first
                 made.append(Piece(
                     key=key + suffix,
-                    global_shape=(*(size for _, size in axes), global_rows, *inner_shape[1:]),
-                    offsets=(*(index for index, _ in axes), offset_rows, *(0 for _ in inner_shape[1:])),
+                    global_shape=(*(size for _, size in axes), part_shape[0] if suffix else inner_shape[0],
+                                  *inner_shape[1:]),
+                    offsets=(*(index for index, _ in axes), 0 if suffix else first, *(0 for _ in inner_shape[1:])),
                     sizes=(*(1 for _ in axes), *part_shape),
-                    expert=expert if not routed or not routed.group(3) else None,
+                    expert=None if routed and routed.group(3) else expert,  # an index into stacked experts only
                     rows=rows))
             if module is not None and module.rsplit(".", 1)[-1] in LINEAR_MODULES:
                 objects.append(_object_key(module, axes))
