@@ -28,6 +28,7 @@ linear layer's extra state without fp8 (``torch.save`` of the list of its shards
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from pathlib import Path
@@ -37,6 +38,7 @@ import torch
 
 from crossalign.sides.megatron.torch_dist import BACKEND, INDEX, METADATA
 from crossalign.sides.megatron.torch_dist_layout import TorchDistLayout
+from crossalign.tensorio.blocks import BLOCK_BYTES
 from crossalign.tensorio.errors import CheckpointError
 from crossalign.tensorio.torch_file import TensorSpec
 
@@ -45,6 +47,45 @@ CHECKPOINT_VERSION = 3.0
 # megatron-core's CheckpointingConfig("torch_dist") as save_config writes it
 CHECKPOINTING_CONFIG = {"sharded_backend": BACKEND, "sharded_backend_version": 1, "common_backend": "torch",
                         "common_backend_version": 1}
+
+
+class _PieceWrites(io.RawIOBase):
+    """A file written in pieces of at most ``BLOCK_BYTES`` (``tensorio/blocks.py`` says why: one write() of a whole
+    tensor was measured several times slower per byte than the same bytes in 1 MiB writes)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), BLOCK_BYTES):
+            self.stream.write(view[start:start + BLOCK_BYTES])
+        return len(view)
+
+    def tell(self) -> int:
+        return self.stream.tell()
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def _piece_writes_file_system():
+    """torch's FileSystem whose data files are written through ``_PieceWrites`` (FileSystemWriter's ``fs``)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class PieceWritesFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                yield _PieceWrites(stream) if "w" in mode else stream
+
+    return PieceWritesFileSystem()
 
 
 def part_index(part: int) -> str:
@@ -64,13 +105,19 @@ def _chunks(specs: Mapping[str, TensorSpec], tensors: Iterable[tuple[str, torch.
             raise CheckpointError(f"{folder}: expected {expected!r} {spec and spec.dtype} {list(spec.shape) if spec else ''}"
                                   f", got {name!r} {tensor.dtype} {list(tensor.shape)}")
         for piece in layout.pieces[name]:
-            chunk = piece.take(tensor.detach()).to(spec.dtype)
-            if chunk.untyped_storage().nbytes() != chunk.nbytes or not chunk.is_contiguous():
-                chunk = chunk.clone(memory_format=torch.contiguous_format)  # only the chunk's bytes are saved
-            yield piece.key, piece.offsets, chunk
+            yield piece.key, piece.offsets, _own_storage(piece.take(tensor.detach()).to(spec.dtype).contiguous())
     left = next(announced, None)
     if left is not None:
         raise CheckpointError(f"{folder}: announced tensor {left[0]!r} was never written")
+
+
+def _own_storage(chunk: torch.Tensor) -> torch.Tensor:
+    """The chunk over the same memory, with a storage of exactly its bytes: torch.save writes a tensor's whole
+    storage, and a chunk is often a view of a bigger tensor (an expert of a block, a half of fc1); numpy's view
+    of its bytes gives it a storage of its own without a copy. Valid while the tensor it views is."""
+    if chunk.untyped_storage().nbytes() == chunk.nbytes:
+        return chunk
+    return torch.from_numpy(chunk.reshape(-1).view(torch.uint8).numpy()).view(chunk.dtype).reshape(chunk.shape)
 
 
 def _plan_items(specs: Mapping[str, TensorSpec], layout: TorchDistLayout, objects: tuple[str, ...]):
@@ -133,9 +180,17 @@ def write_part(folder: Path, part: int, specs: Mapping[str, TensorSpec], tensors
             return chunk
 
     writer = FileSystemWriter(str(folder), sync_files=False, thread_count=1)
+    writer.fs = _piece_writes_file_system()
     # torch names the files of the rank its plan is the i-th of __{i}_0.distcp ...: this part's is the last
     plan = writer.prepare_global_plan([SavePlan([])] * part + [SavePlan(items)])[-1]
-    results = writer.write_data(plan, StreamedPlanner()).value()
+    # No CRC-32 over every record: torch.load never checks it (torch is built with
+    # MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS, as tensorio/torch_file.py says), and it cost a third of the writing.
+    crc32 = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        results = writer.write_data(plan, StreamedPlanner()).value()
+    finally:
+        torch.serialization.set_crc32_options(crc32)
     for left in stream:  # the stream must end where the plan does
         raise CheckpointError(f"{folder}: {left[0]!r} at {list(left[1])} was not planned")
     writer.set_up_storage_writer(part == 0, rank=part, use_collectives=False)
