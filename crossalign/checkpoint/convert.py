@@ -11,9 +11,12 @@ fault-injected conversion (``faults.py``) skips the output check on purpose, wit
 MindSpore -> Megatron streams: the output keys are checked and the Megatron files laid out
 from the tables before any tensor is read, then each rule reads its inputs into reused
 buffers and its outputs go straight into their records, cast on the way (``torch_file.py``),
-so memory holds one rule's tensors whatever the model size. Megatron -> MindSpore streams
-the same way from a checkpoint of any layout, legacy or torch_dist: ``open_megatron`` reads one
-full tensor at a time by the merge path both directions share (``sides/megatron/merge.py``),
+so memory holds one rule's tensors whatever the model size; into torch_dist each output goes
+chunk by chunk into torch's own writer (``sides/megatron/torch_dist_write.py``), in one process
+or as parts (ranges of layers, ``convert_part``) that several machines write at the same time and
+``finish_parts`` then indexes. Megatron -> MindSpore streams the same way from a checkpoint of any
+layout, legacy or torch_dist: ``open_megatron`` reads one full tensor at a time (a routed expert
+of torch_dist from its own chunks) by the merge path both directions share (``sides/megatron/merge.py``),
 into one MindFormers file or, with ``--tp``, into the files of that many ranks at once, each
 tensor cut into its rank slices as it comes.
 
