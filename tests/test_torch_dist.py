@@ -26,7 +26,8 @@ from crossalign.checkpoint.convert import convert_checkpoint, convert_part, fini
 from crossalign.config import load_config
 from crossalign.models.layout import random_mindformers_state
 from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint
-from crossalign.sides.mindformers.checkpoint import default_common, read_mindformers_checkpoint, write_mindformers_checkpoint
+from crossalign.sides.mindformers.checkpoint import (default_common, read_mindformers_checkpoint,
+                                                     write_mindformers_checkpoint)
 from crossalign.tensorio.errors import CheckpointError
 
 CONFIG = load_config("qwen35_moe_tiny")

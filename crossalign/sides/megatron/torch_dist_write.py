@@ -99,11 +99,12 @@ def _chunks(specs: Mapping[str, TensorSpec], tensors: Iterable[tuple[str, torch.
     announced = iter(specs.items())
     for name, tensor in tensors:
         expected, spec = next(announced, (None, None))
-        castable = spec is not None and (tensor.dtype == spec.dtype or (tensor.is_floating_point()
-                                                                        and spec.dtype.is_floating_point))
+        if spec is None:
+            raise CheckpointError(f"{folder}: tensor {name!r} was not announced")
+        castable = tensor.dtype == spec.dtype or (tensor.is_floating_point() and spec.dtype.is_floating_point)
         if name != expected or tuple(tensor.shape) != spec.shape or not castable:
-            raise CheckpointError(f"{folder}: expected {expected!r} {spec and spec.dtype} {list(spec.shape) if spec else ''}"
-                                  f", got {name!r} {tensor.dtype} {list(tensor.shape)}")
+            raise CheckpointError(f"{folder}: expected {expected!r} {spec.dtype} {list(spec.shape)}, got {name!r} "
+                                  f"{tensor.dtype} {list(tensor.shape)}")
         for piece in layout.pieces[name]:
             yield piece.key, piece.offsets, _own_storage(piece.take(tensor.detach()).to(spec.dtype).contiguous())
     left = next(announced, None)
