@@ -106,19 +106,12 @@ def _chunks(specs: Mapping[str, TensorSpec], tensors: Iterable[tuple[str, torch.
             raise CheckpointError(f"{folder}: expected {expected!r} {spec.dtype} {list(spec.shape)}, got {name!r} "
                                   f"{tensor.dtype} {list(tensor.shape)}")
         for piece in layout.pieces[name]:
-            yield piece.key, piece.offsets, _own_storage(piece.take(tensor.detach()).to(spec.dtype).contiguous())
+            # a tensor of its own, cast on the way: torch.save writes a tensor's whole storage, and a piece is
+            # often a view of a bigger one (an expert of a block, a half of fc1)
+            yield piece.key, piece.offsets, torch.empty(piece.sizes, dtype=spec.dtype).copy_(piece.take(tensor))
     left = next(announced, None)
     if left is not None:
         raise CheckpointError(f"{folder}: announced tensor {left[0]!r} was never written")
-
-
-def _own_storage(chunk: torch.Tensor) -> torch.Tensor:
-    """The chunk over the same memory, with a storage of exactly its bytes: torch.save writes a tensor's whole
-    storage, and a chunk is often a view of a bigger tensor (an expert of a block, a half of fc1); numpy's view
-    of its bytes gives it a storage of its own without a copy. Valid while the tensor it views is."""
-    if chunk.untyped_storage().nbytes() == chunk.nbytes:
-        return chunk
-    return torch.from_numpy(chunk.reshape(-1).view(torch.uint8).numpy()).view(chunk.dtype).reshape(chunk.shape)
 
 
 def _plan_items(specs: Mapping[str, TensorSpec], layout: TorchDistLayout, objects: tuple[str, ...]):
@@ -167,17 +160,31 @@ def write_part(folder: Path, part: int, specs: Mapping[str, TensorSpec], tensors
     stream = _chunks(specs, tensors, layout, folder)
 
     class StreamedPlanner(DefaultSavePlanner):
-        """Resolves each item with the next chunk of the conversion (the plan is in the stream's order)."""
+        """Resolves each item with the next chunk of the conversion (the plan is in the stream's order).
+
+        torch's writer keeps every tensor it wrote, by key, for its safetensors form
+        (``filesystem.py``, ``_write_files_from_queue``: ``tensor_dict``): each chunk's memory is
+        freed once it is written, when the next is asked for, so that memory holds one chunk.
+        """
+
+        written: torch.Tensor | None = None
+
+        def release(self) -> None:
+            if self.written is not None:
+                self.written.untyped_storage().resize_(0)
+                self.written = None
 
         def resolve_data(self, write_item):
             if write_item.type == WriteItemType.BYTE_IO:
                 data = io.BytesIO()
                 torch.save([None], data)
                 return data
+            self.release()
             key, offsets, chunk = next(stream)
             if (key, offsets) != (write_item.index.fqn, tuple(write_item.index.offset)):
                 raise CheckpointError(f"{folder}: the stream gave {key!r} at {list(offsets)} where "
                                       f"{write_item.index.fqn!r} at {list(write_item.index.offset)} was planned")
+            self.written = chunk
             return chunk
 
     writer = FileSystemWriter(str(folder), sync_files=False, thread_count=1)
@@ -188,10 +195,12 @@ def write_part(folder: Path, part: int, specs: Mapping[str, TensorSpec], tensors
     # MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS, as tensorio/torch_file.py says), and it cost a third of the writing.
     crc32 = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
+    planner = StreamedPlanner()
     try:
-        results = writer.write_data(plan, StreamedPlanner()).value()
+        results = writer.write_data(plan, planner).value()
     finally:
         torch.serialization.set_crc32_options(crc32)
+        planner.release()
     for left in stream:  # the stream must end where the plan does
         raise CheckpointError(f"{folder}: {left[0]!r} at {list(left[1])} was not planned")
     writer.set_up_storage_writer(part == 0, rank=part, use_collectives=False)
