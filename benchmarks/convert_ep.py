@@ -8,12 +8,16 @@ while the bytes (about 1 GB bf16 in) stay manageable. Two steps, each in a subpr
 * ms2mg --ep 8: the bf16 MindFormers checkpoint into 8 expert-parallel Megatron rank files (fp32);
 * mg2ms: those 8 files merged back into one MindFormers checkpoint (fp32).
 
+``--format torch_dist`` writes Megatron's torch_dist checkpoint instead (one copy of the model, a
+chunk per routed expert, streamed without the model) and reads it back a chunk at a time.
+
 Each is compared, in the same run, with ``cp`` of its input and output files in one go (time,
 target <= 1.5x, the best of ``--repeats``; ``convert.copy_seconds_in_one_go`` says why not a sync
 before each file, which is shown too), and its peak RSS with its largest output file (printed:
 a streaming writer needs little more than the largest file, a merging reader holds the model).
 
-    .venv/bin/python benchmarks/convert_ep.py [--experts 128] [--ep 8] [--workdir DIR] [--repeats N]
+    .venv/bin/python benchmarks/convert_ep.py [--experts 128] [--ep 8] [--format torch_dist] [--workdir DIR]
+                                              [--repeats N]
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ CHILD = """
 import json, os, sys, time
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the crossalign commands set it
 from pathlib import Path
-step, config, source, target, ep = sys.argv[1:6]
+step, config, source, target, ep, ckpt_format = sys.argv[1:7]
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.models.layout import random_mindformers_state
 from crossalign.sides.mindformers.checkpoint import default_common, write_mindformers_checkpoint
@@ -52,7 +56,8 @@ if step == "generate":
     state = {key: value.bfloat16() for key, value in random_mindformers_state(model, seed=1).items()}
     write_mindformers_checkpoint(Path(target), 100, state, None, default_common(100, 8))
 elif step == "ms2mg":
-    convert_checkpoint(model, "ms2mg", Path(source), Path(target), ep=int(ep))
+    convert_checkpoint(model, "ms2mg", Path(source), Path(target), ep=int(ep) if ckpt_format == "torch" else 1,
+                       ckpt_format=ckpt_format)
 else:
     convert_checkpoint(model, "mg2ms", Path(source), Path(target))
 print(json.dumps({"seconds": time.perf_counter() - start}))
@@ -70,12 +75,13 @@ def many_expert_config(folder: Path, experts: int) -> Path:
     return path
 
 
-def run_child(step: str, config: Path, source: Path, target: Path, ep: int) -> tuple[float, float, int]:
+def run_child(step: str, config: Path, source: Path, target: Path, ep: int,
+              ckpt_format: str = "torch") -> tuple[float, float, int]:
     """(seconds of the step once imported, seconds of the whole process, peak RSS in bytes) of one step."""
     os.sync()
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, step, str(config), str(source), str(target), str(ep)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, step, str(config), str(source), str(target), str(ep),
+                              ckpt_format], stdout=subprocess.PIPE, text=True)
     output = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     if os.waitstatus_to_exitcode(status):
@@ -86,7 +92,9 @@ def run_child(step: str, config: Path, source: Path, target: Path, ep: int) -> t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--ep", type=int, default=8, help="expert-parallel ranks of the legacy checkpoint")
+    parser.add_argument("--format", dest="ckpt_format", default="torch", choices=["torch", "torch_dist"],
+                        help="the Megatron checkpoint format (torch_dist: one copy, no --ep)")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each step and of its cp baseline")
     args = parser.parse_args()
@@ -103,14 +111,16 @@ def main() -> None:
         source, megatron, back = work / "ms-bf16", work / "megatron", work / "ms-back"
         print(f"generating a random {args.experts}-expert MindFormers checkpoint (bf16) ...", flush=True)
         run_child("generate", config, source, source, args.ep)
-        for step, inp, out, pattern_in, pattern_out in (("ms2mg", source, megatron, "*.safetensors", "*.pt"),
-                                                        ("mg2ms", megatron, back, "*.pt", "*.safetensors")):
+        megatron_files = "*.pt" if args.ckpt_format == "torch" else "*.distcp"
+        for step, inp, out, pattern_in, pattern_out in (("ms2mg", source, megatron, "*.safetensors", megatron_files),
+                                                        ("mg2ms", megatron, back, megatron_files, "*.safetensors")):
             runs, copies, synced = [], [], []
             for attempt in range(args.repeats):
-                print(f"{step} ep={args.ep} ({attempt + 1}/{args.repeats}) ...", flush=True)
+                where = f"ep={args.ep}" if args.ckpt_format == "torch" else "torch_dist"
+                print(f"{step} {where} ({attempt + 1}/{args.repeats}) ...", flush=True)
                 if out.exists():
                     shutil.rmtree(out)
-                runs.append(run_child(step, config, inp, out, args.ep))
+                runs.append(run_child(step, config, inp, out, args.ep, args.ckpt_format))
                 inputs, outputs = files_of(inp, pattern_in), files_of(out, pattern_out)
                 copies.append(copy_seconds_in_one_go(inputs + outputs, work))
                 synced.append(copy_seconds(inputs + outputs, work))

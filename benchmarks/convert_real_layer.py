@@ -13,6 +13,11 @@ MTP block, so the files hold the layer. Steps, each in a subprocess of its own:
   rank and metadata.json, each tensor cut into its rank slices as it streams; the real model's 2
   query groups allow no more ranks). ``--tp 1`` leaves this step out.
 
+``--format torch_dist`` writes Megatron's torch_dist checkpoint instead of the EP 8 rank files (one
+copy of the layer, a chunk per routed expert, streamed without the model), reads it back a chunk
+at a time, and with ``--parts N`` (default 2) also writes it as N parts at the same time, each in
+a process of its own (as the cpu pool's workers do), then the index: one worker against N.
+
 Both write ``--dtype`` (bf16 by default, so that the disk holds it: fp32 doubles every output).
 Each step's time is compared with ``cp`` of its input and output files in one go (target <= 1.5x,
 the best of ``--repeats``) and its peak RSS (the child's ru_maxrss) with its largest file. The runs
@@ -24,6 +29,7 @@ Megatron output, one MindFormers output at a time, one copy), shrinks the expert
 fit (saying so), and stops when not even 64 experts fit.
 
     .venv/bin/python benchmarks/convert_real_layer.py [--runs 512x1 128x1 128x2] [--tp 2] [--workdir DIR] [--repeats 3]
+                                                      [--format torch_dist [--parts 2]]
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ CHILD = """
 import json, os, sys, time
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the crossalign commands set it
 from pathlib import Path
-step, config, source, target, ep, dtype, tp = sys.argv[1:8]
+step, config, source, target, ep, dtype, tp, ckpt_format, part = sys.argv[1:10]
 import torch
 from crossalign.checkpoint.convert import convert_checkpoint
 from crossalign.config import load_config
@@ -79,7 +85,15 @@ if step == "generate":  # random bf16 weights, written a block of rows at a time
     stream_mindformers_checkpoint(Path(target), 100, specs, ((key, RowBlocks(blocks(tuple(shape))))
                                                              for key, shape in shapes.items()), default_common(100, 8))
 elif step == "ms2mg":
-    convert_checkpoint(model, "ms2mg", Path(source), Path(target), ep=int(ep), dtype=dtype)
+    convert_checkpoint(model, "ms2mg", Path(source), Path(target), ep=int(ep) if ckpt_format == "torch" else 1,
+                       dtype=dtype, ckpt_format=ckpt_format)
+elif step == "ms2mg-part":  # part P/N into TARGET.parts
+    from crossalign.checkpoint.convert import convert_part, parts_folder
+    number, parts = (int(x) for x in part.split("/"))
+    convert_part(model, Path(source), parts_folder(Path(target)), number, parts, dtype=dtype)
+elif step == "finish":
+    from crossalign.checkpoint.convert import finish_parts, parts_folder
+    finish_parts(model, Path(source), parts_folder(Path(target)), Path(target), int(part.split("/")[1]), dtype=dtype)
 elif step == "mg2ms":
     convert_checkpoint(model, "mg2ms", Path(source), Path(target), dtype=dtype)
 elif step == "mg2ms-tp":
@@ -108,17 +122,36 @@ def layer_bytes(experts: int, layers: int) -> int:
     return 2 * (layers * per_layer + 2 * 2048 * h)
 
 
-def run_child(step: str, config: Path, source: Path, target: Path, ep: int, dtype: str,
-              tp: int = 1) -> tuple[float, int]:
-    """(seconds of the step once imported, peak RSS in bytes) of one step in a process of its own."""
-    os.sync()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, step, str(config), str(source), str(target), str(ep),
-                              dtype, str(tp)], stdout=subprocess.PIPE, text=True)
+def _start(step: str, config: Path, source: Path, target: Path, ep: int, dtype: str, tp: int, ckpt_format: str,
+           part: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, step, str(config), str(source), str(target), str(ep),
+                             dtype, str(tp), ckpt_format, part], stdout=subprocess.PIPE, text=True)
+
+
+def _finish(step: str, child: subprocess.Popen) -> tuple[float, int]:
     output = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"{step} failed with exit code {os.waitstatus_to_exitcode(status)}")
     return json.loads(output.splitlines()[-1])["seconds"], usage.ru_maxrss * 1024
+
+
+def run_child(step: str, config: Path, source: Path, target: Path, ep: int, dtype: str,
+              tp: int = 1, ckpt_format: str = "torch", part: str = "0/1") -> tuple[float, int]:
+    """(seconds of the step once imported, peak RSS in bytes) of one step in a process of its own."""
+    os.sync()
+    return _finish(step, _start(step, config, source, target, ep, dtype, tp, ckpt_format, part))
+
+
+def run_parts(config: Path, source: Path, target: Path, dtype: str, parts: int) -> tuple[float, int]:
+    """ms2mg torch_dist as ``parts`` processes at the same time (the cpu pool's workers), then the index: (the
+    slowest part's seconds once imported plus the index's, the largest peak RSS of any of them)."""
+    os.sync()
+    children = [_start("ms2mg-part", config, source, target, 1, dtype, 1, "torch_dist", f"{part}/{parts}")
+                for part in range(parts)]
+    done = [_finish("ms2mg-part", child) for child in children]
+    index = run_child("finish", config, source, target, 1, dtype, 1, "torch_dist", f"0/{parts}")
+    return max(seconds for seconds, _ in done) + index[0], max(rss for _, rss in done + [index])
 
 
 def import_rss() -> int:
@@ -137,23 +170,30 @@ def fitting_experts(experts: int, layers: int, free: int) -> int:
     return 0
 
 
-def benchmark(work: Path, experts: int, layers: int, ep: int, dtype: str, repeats: int, tp: int) -> list[dict]:
+def benchmark(work: Path, experts: int, layers: int, ep: int, dtype: str, repeats: int, tp: int,
+              ckpt_format: str = "torch", parts: int = 1) -> list[dict]:
     config = layer_config(work, experts, layers)
     source, megatron, back, back_tp = work / "ms-bf16", work / "megatron", work / "ms-back", work / "ms-back-tp"
     print(f"[{experts} experts x {layers} layer(s)] generating a random bf16 MindFormers checkpoint "
           f"({layer_bytes(experts, layers) / 1e9:.1f} GB) ...", flush=True)
     run_child("generate", config, source, source, ep, dtype)
     rows = []
-    steps = [("ms2mg", source, megatron, "*.safetensors", "*.pt"), ("mg2ms", megatron, back, "*.pt", "*.safetensors")]
+    files = "*.pt" if ckpt_format == "torch" else "*.distcp"
+    steps = [("ms2mg", source, megatron, "*.safetensors", files), ("mg2ms", megatron, back, files, "*.safetensors")]
+    if ckpt_format == "torch_dist" and parts > 1:  # first, into the folder the one-process ms2mg then writes
+        steps.insert(0, (f"ms2mg {parts} parts", source, megatron, "*.safetensors", files))
     if tp > 1:
-        steps.append(("mg2ms-tp", megatron, back_tp, "*.pt", "*.safetensors"))
+        steps.append(("mg2ms-tp", megatron, back_tp, files, "*.safetensors"))
     for step, inp, out, pattern_in, pattern_out in steps:
         runs, copies = [], []
         for attempt in range(repeats):
             print(f"[{experts} experts x {layers} layer(s)] {step} ({attempt + 1}/{repeats}) ...", flush=True)
             if out.exists():
                 shutil.rmtree(out)
-            runs.append(run_child(step, config, inp, out, ep, dtype, tp))
+            if step.endswith(" parts"):
+                runs.append(run_parts(config, inp, out, dtype, parts))
+            else:
+                runs.append(run_child(step, config, inp, out, ep, dtype, tp, ckpt_format))
             inputs, outputs = files_of(inp, pattern_in), files_of(out, pattern_out)
             copies.append(copy_seconds_in_one_go(inputs + outputs, work))
         rows.append({"experts": experts, "layers": layers, "step": step if step != "mg2ms-tp" else f"mg2ms tp{tp}",
@@ -162,7 +202,7 @@ def benchmark(work: Path, experts: int, layers: int, ep: int, dtype: str, repeat
                      "seconds": min(r[0] for r in runs), "cp_seconds": min(copies),
                      "peak_rss": max(r[1] for r in runs),
                      "largest": max(f.stat().st_size for f in inputs + outputs)})
-        if out in (back, back_tp):  # no later step reads it: its disk is free for the next output
+        if out in (back, back_tp) or step.endswith(" parts"):  # no later step reads it: its disk is free
             shutil.rmtree(out)
     for folder in (source, megatron):
         shutil.rmtree(folder)
@@ -178,6 +218,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--workdir", type=Path, default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each step and of its cp baseline")
+    parser.add_argument("--format", dest="ckpt_format", default="torch", choices=["torch", "torch_dist"],
+                        help="the Megatron checkpoint format (torch_dist: one copy, no --ep)")
+    parser.add_argument("--parts", type=int, default=2, help="with torch_dist: also ms2mg as this many parts in "
+                        "processes of their own at the same time, then the index (1: no such step)")
     args = parser.parse_args()
     base = args.workdir or Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
@@ -197,12 +241,13 @@ def main() -> None:
             if fitting != experts:
                 print(f"{base}: {free / 1e9:.0f} GB free, {experts} experts x {layers} layer(s) need "
                       f"{DISK_FACTOR * layer_bytes(experts, layers) / 1e9:.0f} GB: running {fitting} experts instead")
-            rows += benchmark(Path(tmp), fitting, layers, args.ep, args.dtype, args.repeats, args.tp)
+            rows += benchmark(Path(tmp), fitting, layers, args.ep, args.dtype, args.repeats, args.tp,
+                              args.ckpt_format, args.parts)
     print()
-    print(f"{'experts':>8}{'layers':>7}{'step':>11}{'in GB':>8}{'out GB':>8}{'step s':>8}{'cp s':>8}{'time/cp':>9}"
+    print(f"{'experts':>8}{'layers':>7}{'step':>15}{'in GB':>8}{'out GB':>8}{'step s':>8}{'cp s':>8}{'time/cp':>9}"
           f"{'RSS MB':>8}{'largest MB':>11}{'RSS/largest':>12}")
     for r in rows:
-        print(f"{r['experts']:>8}{r['layers']:>7}{r['step']:>11}{r['bytes_in'] / 1e9:>8.2f}{r['bytes_out'] / 1e9:>8.2f}"
+        print(f"{r['experts']:>8}{r['layers']:>7}{r['step']:>15}{r['bytes_in'] / 1e9:>8.2f}{r['bytes_out'] / 1e9:>8.2f}"
               f"{r['seconds']:>8.1f}{r['cp_seconds']:>8.1f}{r['seconds'] / r['cp_seconds']:>9.2f}"
               f"{r['peak_rss'] / 1e6:>8.0f}{r['largest'] / 1e6:>11.0f}{r['peak_rss'] / r['largest']:>12.2f}")
     print(f"RSS of a process that only imports torch and crossalign: {baseline / 1e6:.0f} MB")
@@ -225,6 +270,11 @@ def main() -> None:
         print(f"projected to {n} layers of {r['experts']} experts, {r['step']}: {n * r['bytes_in'] / 1e9:.0f} GB in, "
               f"{n * r['bytes_out'] / 1e9:.0f} GB out, {n * r['seconds'] / 60:.1f} min (cp {n * r['cp_seconds'] / 60:.1f} "
               f"min), peak RSS {r['peak_rss'] / 1e6:.0f} MB as for one layer")
+        if r["step"] == "ms2mg" and args.ckpt_format == "torch_dist":
+            for workers in (4, 8, 15):  # machines of their own, each writing 60/N layers as one part
+                print(f"projected to {n} layers on {workers} workers (a part of {n / workers:.0f} layers each, "
+                      f"machines of their own sharing the store): {n * r['seconds'] / workers / 60:.1f} min each, "
+                      f"peak RSS {r['peak_rss'] / 1e6:.0f} MB each")
     print("target: time/cp <= 1.5 (cp of the step's input and output files in one go, one sync before); "
           "RSS flat in experts and layers")
     failed = [r for r in rows if r["seconds"] / r["cp_seconds"] > 1.5]

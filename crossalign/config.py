@@ -214,6 +214,11 @@ class TrainingConfig(_Strict):
         description="where the embedded megatron-train step runs: auto takes the agent's GPU where torch sees one; "
                     "on cpu the megatron-core CPU workarounds apply")
     megatron_core_version: str = Field(default="0.16.1", description="decides the MTP key prefix and log semantics")
+    megatron_ckpt_format: Literal["torch", "torch_dist"] = Field(
+        default="torch",
+        description="Megatron's --ckpt-format of the converted checkpoint the megatron-train step loads: torch "
+                    "(legacy rank files written for the run's layout) or torch_dist (Megatron's default, one copy "
+                    "resharded at load; the convert step can spread it over the cpu pool: site convert_parts)")
     mindformers_version: str = Field(default="2.1.0", description="the NPU site's MindFormers release (2.0.0 or "
                                      "later): decides how its log's mtp_1_loss is read")
 

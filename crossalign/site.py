@@ -136,6 +136,8 @@ class SiteConfig(_Strict):
     nightly: NightlySite = Field(default_factory=NightlySite)
     server_data: Path | None = Field(default=None, description="`crossalign server start`'s home and PostgreSQL "
                                      "cluster; default: this site's folder on the machine (site_home)")
+    convert_parts: int = Field(default=1, ge=1, description="the parts (layer ranges) a torch_dist convert step is "
+                               "spread over: each a flow run on the cpu pool, at the same time on its workers")
 
     @field_validator("report_url")
     @classmethod

@@ -53,4 +53,13 @@ if [[ "$extras" == *dev* ]]; then
                 || echo "warning: could not download fla-core $version; the tests of its code will be skipped" >&2
         fi
     done
+    # megatron-core 0.17.0, the second version whose own dist_checkpointing loads and saves the torch_dist checkpoints
+    # crossalign writes (tests/test_torch_dist.py runs it with this folder first on PYTHONPATH). PyPI's cp311 wheel
+    # says Requires-Python >=3.12 but imports and runs on 3.11; its dependencies are the venv's own.
+    core017=.cache/megatron-core-0.17.0
+    if [[ ! -d "$core017/megatron" ]]; then
+        .venv/bin/pip install -q --disable-pip-version-check --no-deps --ignore-requires-python --target "$core017" \
+            "megatron-core==0.17.0" \
+            || echo "warning: could not install megatron-core 0.17.0; the tests that run it will be skipped" >&2
+    fi
 fi

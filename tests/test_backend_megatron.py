@@ -351,3 +351,13 @@ def test_a_dump_writes_msprobes_config_and_the_launcher_is_told_where_it_is(tmp_
     with pytest.raises(ValueError, match=r"diagnose.dump.step: 4 is not reached by a training of 4 iterations"):
         request.dump = DumpSettings(step=4)
         MegatronBackend(site=site_for(checkout)).write_launch(request)
+
+
+def test_the_checkpoint_format_of_the_converted_checkpoint_is_the_one_megatron_is_told():
+    config = load_config("qwen35_moe_tiny")
+    assert parse_megatron_args(megatron_args(config, data_prefix="/d", tokenizer=None,
+                                             load_dir="/ckpt"))["--ckpt-format"] == ["torch"]
+    dist = config.model_copy(update={"training": config.training.model_copy(
+        update={"megatron_ckpt_format": "torch_dist"})})
+    assert parse_megatron_args(megatron_args(dist, data_prefix="/d", tokenizer=None,
+                                             load_dir="/ckpt"))["--ckpt-format"] == ["torch_dist"]

@@ -244,3 +244,28 @@ def test_the_dump_enabled_launch_runs_through_rehearse_and_msprobe_compares_it_w
     assert any(".backward.0." in name for name in names)
     assert {row["Bench Name"] for row in rows} == names  # every module of the rehearsal found in the embedded dump
     assert {row["Result"] for row in rows} == {"pass"}, [row["NPU Name"] for row in rows if row["Result"] != "pass"]
+
+
+@needs_checkout
+@pytest.mark.timeout(1800)
+def test_megatron_lm_loads_the_torch_dist_checkpoint_crossalign_streamed(store: RunStore, tmp_path: Path):
+    """A run whose Megatron checkpoint format is torch_dist: the convert step streams it without the model,
+    Megatron-LM's own pretrain() loads it with --ckpt-format torch_dist (under the local model's sharded keys),
+    every rank's load digest matches its shard of the checkpoint, and the losses are the embedded run's."""
+    import json
+
+    from crossalign.cli.rehearse import embedded_losses
+    from crossalign.sides.megatron.rehearsal import LOCAL_CHECKPOINT, max_abs_diff, rehearse_gpu
+
+    run = embedded_run(store, "qwen35_moe_tiny", "moe-torch-dist", ("training.megatron_ckpt_format=torch_dist",))
+    converted = run.step_dir("convert") / "checkpoint"
+    assert json.loads(next(converted.glob("iter_*/metadata.json")).read_text())["sharded_backend"] == "torch_dist"
+    result = rehearse_gpu(run.config, run.dataset, converted, Path(CHECKOUT), tmp_path / "gpu")
+    args = (tmp_path / "gpu" / "megatron_args.txt").read_text().split()
+    assert args[args.index("--ckpt-format") + 1] == "torch_dist"
+    local = next((tmp_path / "gpu" / LOCAL_CHECKPOINT).glob("iter_*"))
+    assert (local / ".metadata").exists() and not list(local.glob("mp_rank_*"))
+    assert "successfully loaded checkpoint" in result.log.read_text()
+    assert result.digest_tensors > 0
+    diffs = max_abs_diff(result.losses, embedded_losses(run))
+    assert sorted(result.losses) == [1, 2, 3, 4, 5] and max(diffs.values()) <= PRINT_PRECISION, diffs

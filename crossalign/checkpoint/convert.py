@@ -11,9 +11,12 @@ fault-injected conversion (``faults.py``) skips the output check on purpose, wit
 MindSpore -> Megatron streams: the output keys are checked and the Megatron files laid out
 from the tables before any tensor is read, then each rule reads its inputs into reused
 buffers and its outputs go straight into their records, cast on the way (``torch_file.py``),
-so memory holds one rule's tensors whatever the model size. Megatron -> MindSpore streams
-the same way from a checkpoint of any layout, legacy or torch_dist: ``open_megatron`` reads one
-full tensor at a time by the merge path both directions share (``sides/megatron/merge.py``),
+so memory holds one rule's tensors whatever the model size; into torch_dist each output goes
+chunk by chunk into torch's own writer (``sides/megatron/torch_dist_write.py``), in one process
+or as parts (ranges of layers, ``convert_part``) that several machines write at the same time and
+``finish_parts`` then indexes. Megatron -> MindSpore streams the same way from a checkpoint of any
+layout, legacy or torch_dist: ``open_megatron`` reads one full tensor at a time (a routed expert
+of torch_dist from its own chunks) by the merge path both directions share (``sides/megatron/merge.py``),
 into one MindFormers file or, with ``--tp``, into the files of that many ranks at once, each
 tensor cut into its rank slices as it comes.
 
@@ -59,19 +62,24 @@ from crossalign.checkpoint.expert_chunks import chunked_plan, chunked_reads, joi
 from crossalign.checkpoint.hf import read_hf_checkpoint, write_hf_checkpoint
 from crossalign.models.layout import check_expert_form, megatron_shapes
 from crossalign.sides.megatron.checkpoint import (
+    TRACKER,
+    iteration_dir_name,
     open_megatron,
     read_megatron_checkpoint,
     stream_megatron_checkpoint,
     write_torch_dist_checkpoint,
 )
 from crossalign.sides.mindformers.checkpoint import (
+    MindFormersCheckpoint,
     default_common,
     read_mindformers_checkpoint,
     stream_mindformers_checkpoint,
     write_mindformers_checkpoint,
 )
 from crossalign.sides.megatron.sharding import check_parallel_sizes, mindformers_split_dim
-from crossalign.checkpoint.rules import conversion_plan
+from crossalign.sides.megatron.torch_dist_layout import part_of, torch_dist_layout
+from crossalign.sides.megatron.torch_dist_write import finish_torch_dist, write_part
+from crossalign.checkpoint.rules import PlacedRule, conversion_plan
 from crossalign.tensorio.torch_file import TensorSpec
 from crossalign.config import ConfigError, ModelConfig
 from crossalign.hf_config import hf_config_from_model
@@ -105,19 +113,6 @@ HF_DIRECTIONS = ("hf2mg", "mg2hf", "hf2ms", "ms2hf")
 FORMATS = ("torch", "torch_dist")  # Megatron's --ckpt-format
 THROUGH = "0.16.1"  # the Megatron layout an hf2ms / ms2hf conversion passes through (any version gives the same)
 CONFIG_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Peak memory of ms2mg --format torch_dist over the imports, per byte of the model it writes: the converted state
-# dict and megatron-core's GPTModel built from it on the CPU for its own save. Measured with
-# benchmarks/convert_torch_dist.py (bf16 qwen35_dense 1.41 GB: 3.07 GB, 2.18x; qwen35_moe 1.49 GB: 3.30 GB, 2.21x).
-TORCH_DIST_MEMORY = 2.2
-TORCH_DIST_IMPORTS_BYTES = 0.5e9  # torch, crossalign and megatron-core imported (0.47 GB measured)
-
-
-def torch_dist_memory_note(model_bytes: int) -> str:
-    """The warning of an ms2mg --format torch_dist conversion: how much memory it holds, and what streams instead."""
-    need = TORCH_DIST_MEMORY * model_bytes + TORCH_DIST_IMPORTS_BYTES
-    return (f"--format torch_dist holds the whole model in memory (megatron-core's own save of its GPTModel built "
-            f"on the CPU): about {need / 1e9:.1f} GB for this {model_bytes / 1e9:.1f} GB model ({TORCH_DIST_MEMORY}x "
-            "its bytes + 0.5 GB); legacy --format torch streams a tensor at a time")
 
 
 def check_direction(direction: str) -> None:
@@ -183,8 +178,8 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
     common.json records the Megatron iteration (and ``global_batch_size`` with the samples
     consumed, when given).
     ``dtype`` casts floating tensors (fp32, as the source converter does, bf16, or keep).
-    ``ckpt_format`` torch_dist makes ms2mg write Megatron's torch_dist checkpoint instead
-    (``torch_dist.py``): one copy of the whole model, resharded by Megatron at load, so it
+    ``ckpt_format`` torch_dist makes ms2mg write Megatron's torch_dist checkpoint instead, streamed
+    (``torch_dist_write.py``): one copy of the whole model, resharded by Megatron at load, so it
     takes no tp/pp/ep. mg2ms reads either format.
     hf2mg reads a Hugging Face folder tensor by tensor and writes Megatron's legacy checkpoint
     as ms2mg does (iteration 0: nothing trained yet); mg2hf merges a Megatron checkpoint of
@@ -230,15 +225,11 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                                 f"MindFormers checkpoint {source.directory}")
         keys_in, bytes_in = len(entries), sum(info.nbytes for info in entries.values())
     if direction == "ms2mg" and ckpt_format == "torch_dist":
-        notes.append(torch_dist_memory_note(sum(spec.nbytes for spec in forward_specs(
-            plan, entries, model, core_version, experts, dtype).values())))
-        log.warning(notes[-1])
-        state = run_rules(plan, _counted(lambda keys: [source.tensor(key) for key in keys], bytes_in, progress, dtype),
-                          keys_in, True)
-        check_forward_output({k: tuple(v.shape) for k, v in state.items()}, model, core_version, experts, None)
-        keys_out, bytes_out = len(state), nbytes(state.values())
-        stored = state["embedding.word_embeddings.weight"].dtype
-        written = write_torch_dist_checkpoint(output_dir, iteration, state, model, core_version, stored)
+        specs = forward_specs(plan, entries, model, core_version, experts, dtype)
+        keys_out, bytes_out = len(specs), sum(spec.nbytes for spec in specs.values())
+        with one_thread():
+            written = write_torch_dist_checkpoint(output_dir, iteration, specs, _part_outputs(
+                model, source, plan, 0, 1, progress), torch_dist_layout(model, core_version, experts))
         files = sorted(written.glob("*.distcp"))
     elif direction == "ms2mg":
         if fault is None:
@@ -293,6 +284,94 @@ def convert_checkpoint(model: ModelConfig, direction: Direction, input_dir: Path
                          seconds=time.perf_counter() - start, files=files, tp=tp, pp=pp, ep=ep, dtype=dtype,
                          format=ckpt_format if direction == "ms2mg" else source_format, fault=fault,
                          output_validated=fault is None, notes=notes)
+
+
+def _part_plan(model: ModelConfig, plan: list[PlacedRule], part: int, parts: int) -> list[PlacedRule]:
+    """The rules of ``part`` of ``parts``: those whose Megatron keys are in its layer range (``part_of``)."""
+    return [placed for placed in plan if part_of(placed.target_keys[0], model, parts) == part]
+
+
+def _part_outputs(model: ModelConfig, source: MindFormersCheckpoint, plan: list[PlacedRule], part: int, parts: int,
+                  progress: Progress | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The Megatron tensors of ``part`` of ``parts``, each rule's as it comes (routed experts a chunk at a time)."""
+    mine = _part_plan(model, plan, part, parts)
+    entries = source.model_entries()
+    chunked = chunked_plan(mine, {key: info.nbytes for key, info in entries.items()})
+    bytes_in = sum(entries[key].nbytes for placed in mine for key in placed.source_keys)
+    return rule_outputs(chunked, _counted(chunked_reads(source, model.num_experts or 1), bytes_in, progress),
+                        _inputs(chunked, True), True, None)
+
+
+def _torch_dist_source(model: ModelConfig, input_dir: Path, core_version: str, dtype: str, experts: str):
+    """A MindFormers checkpoint's plan into torch_dist: (source, plan, specs, layout, notes), checked."""
+    check_dtype(dtype)
+    check_expert_form(experts)
+    source = read_mindformers_checkpoint(input_dir)
+    entries = source.model_entries()
+    notes = left_out_buffers(source, model)
+    plan = to_megatron_plan({k: i.shape for k, i in entries.items()}, model, core_version, experts, None,
+                            f"MindFormers checkpoint {source.directory}")
+    specs = forward_specs(plan, entries, model, core_version, experts, dtype)
+    return source, plan, specs, torch_dist_layout(model, core_version, experts), notes
+
+
+def parts_folder(output_dir: Path) -> Path:
+    """Where the parts of a torch_dist conversion into ``output_dir`` are written: its sibling ``<name>.parts``."""
+    return Path(output_dir).with_name(Path(output_dir).name + ".parts")
+
+
+def convert_part(model: ModelConfig, input_dir: Path, parts_dir: Path, part: int, parts: int, *,
+                 core_version: str = "0.16.1", dtype: str = "fp32", experts: str = "per_expert",
+                 progress: Progress | None = None) -> ConvertReport:
+    """ms2mg into torch_dist, part ``part`` of ``parts``: the layer range ``part_of`` gives it, written into
+    ``parts_dir`` (shared by every part, on any machine) as ``iter_N/__{part}_0.distcp`` and its own index.
+
+    Parts run at the same time; ``finish_parts`` then writes the checkpoint's index and moves it
+    into place. A part written again replaces its files.
+    """
+    if not 0 <= part < parts:
+        raise CheckpointError(f"part {part} of {parts}: parts are numbered 0 .. {parts - 1}")
+    start = time.perf_counter()
+    source, plan, specs, layout, notes = _torch_dist_source(model, Path(input_dir), core_version, dtype, experts)
+    iteration = source.iteration or 0
+    folder = Path(parts_dir) / iteration_dir_name(iteration)
+    folder.mkdir(parents=True, exist_ok=True)
+    mine = _part_plan(model, plan, part, parts)
+    specs = {key: specs[key] for placed in mine for key in placed.target_keys}
+    with one_thread():
+        write_part(folder, part, specs, _part_outputs(model, source, plan, part, parts, progress), layout,
+                   with_objects=part == 0)
+    entries = source.model_entries()
+    bytes_in = sum(entries[key].nbytes for placed in mine for key in placed.source_keys)
+    bytes_out = sum(spec.nbytes for spec in specs.values())
+    return ConvertReport(direction="ms2mg", input_dir=Path(input_dir), output_dir=Path(parts_dir),
+                         iteration=iteration, keys_in=len(source.model_entries()), keys_out=len(specs),
+                         bytes_in=bytes_in, bytes_out=bytes_out, seconds=time.perf_counter() - start,
+                         files=[folder / f"__{part}_0.distcp"], dtype=dtype, format="torch_dist", notes=notes)
+
+
+def finish_parts(model: ModelConfig, input_dir: Path, parts_dir: Path, output_dir: Path, parts: int, *,
+                 core_version: str = "0.16.1", dtype: str = "fp32", experts: str = "per_expert") -> ConvertReport:
+    """The torch_dist checkpoint of ``parts`` parts written into ``parts_dir`` (``convert_part``): its index
+    (every chunk of the model stored exactly once, or nothing is done), metadata.json, common.pt and tracker;
+    then ``parts_dir`` becomes ``output_dir``, which appears only complete."""
+    start = time.perf_counter()
+    output_dir = Path(output_dir)
+    check_output_dir(output_dir)
+    source, _, specs, layout, notes = _torch_dist_source(model, Path(input_dir), core_version, dtype, experts)
+    iteration = source.iteration or 0
+    folder = Path(parts_dir) / iteration_dir_name(iteration)
+    finish_torch_dist(folder, parts, layout, iteration)
+    (Path(parts_dir) / TRACKER).write_text(str(iteration))
+    if output_dir.exists():
+        output_dir.rmdir()
+    Path(parts_dir).rename(output_dir)
+    written = output_dir / iteration_dir_name(iteration)
+    return ConvertReport(direction="ms2mg", input_dir=Path(input_dir), output_dir=output_dir, iteration=iteration,
+                         keys_in=len(source.model_entries()), keys_out=len(specs),
+                         bytes_in=sum(info.nbytes for info in source.model_entries().values()),
+                         bytes_out=sum(spec.nbytes for spec in specs.values()), seconds=time.perf_counter() - start,
+                         files=sorted(written.glob("*.distcp")), dtype=dtype, format="torch_dist", notes=notes)
 
 
 def _convert_hf(model: ModelConfig, direction: str, input_dir: Path, output_dir: Path, start: float, *,

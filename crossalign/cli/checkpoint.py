@@ -90,8 +90,13 @@ def convert_command(
                                       "(ms2mg, hf2mg; default: --tp, as Megatron defaults it; must divide --tp)."),
     ckpt_format: str = typer.Option("torch", "--format", help="Megatron checkpoint format written by ms2mg: torch "
                                     "(legacy mp_rank_* files at --tp/--pp/--ep) or torch_dist (Megatron's default "
-                                    "--ckpt-format, resharded by Megatron at load; written by megatron-core). "
+                                    "--ckpt-format, resharded by Megatron at load; streamed without the model). "
                                     "mg2ms and mg2hf read either."),
+    part: Optional[str] = typer.Option(None, "--part", help="P/N: ms2mg --format torch_dist writes only part P of N "
+                                       "(a range of layers) into OUTPUT.parts, shared by the N machines that write "
+                                       "the parts at the same time; then --finish N."),
+    finish: Optional[int] = typer.Option(None, "--finish", help="N: the index of the N parts written by --part into "
+                                         "OUTPUT.parts, which then becomes OUTPUT."),
     fault: Optional[str] = typer.Option(None, "--fault", help="Inject a known conversion bug (self-check only); "
                                         "the output is then written without validation."),
 ) -> None:
@@ -100,7 +105,7 @@ def convert_command(
     _use_huge_pages()
     from rich.table import Table
 
-    from crossalign.checkpoint.convert import convert_checkpoint
+    from crossalign.checkpoint.convert import convert_checkpoint, convert_part, finish_parts, parts_folder
     from crossalign.tensorio.errors import CheckpointError
     from crossalign.checkpoint.faults import FAULTS
     from crossalign.config import ConfigError, load_config
@@ -119,17 +124,32 @@ def convert_command(
             def report(done: int, total: int, what: str) -> None:
                 progress.update(task, completed=done, total=total, description=what)
 
-            result = convert_checkpoint(
-                config.model, direction, input_dir, output_dir,  # type: ignore[arg-type]
-                core_version=version, dtype=dtype, experts=forms[experts], tp=tp, pp=pp, ep=ep, etp=etp,
-                fault=fault, global_batch_size=config.training.global_batch_size, progress=report,
-                ckpt_format=ckpt_format)
+            if part is not None or finish is not None:
+                if (direction, ckpt_format, tp, pp, ep, etp, fault) != ("ms2mg", "torch_dist", 1, 1, 1, None, None):
+                    raise CheckpointError("--part and --finish split ms2mg --format torch_dist (without --tp/--pp/"
+                                          "--ep/--etp/--fault) over machines")
+                options = dict(core_version=version, dtype=dtype, experts=forms[experts])
+                if finish is not None:
+                    result = finish_parts(config.model, input_dir, parts_folder(output_dir), output_dir, finish,
+                                          **options)
+                else:
+                    number, _, count = part.partition("/")
+                    if not (number.isdigit() and count.isdigit()):
+                        raise CheckpointError(f"--part {part!r}: give it as P/N, part P of N (from 0)")
+                    result = convert_part(config.model, input_dir, parts_folder(output_dir), int(number), int(count),
+                                          progress=report, **options)
+            else:
+                result = convert_checkpoint(
+                    config.model, direction, input_dir, output_dir,  # type: ignore[arg-type]
+                    core_version=version, dtype=dtype, experts=forms[experts], tp=tp, pp=pp, ep=ep, etp=etp,
+                    fault=fault, global_batch_size=config.training.global_batch_size, progress=report,
+                    ckpt_format=ckpt_format)
     table = Table(title=f"{direction} {config.model.name} (core {version})", show_header=False)
     table.add_row("keys", f"{result.keys_in} in -> {result.keys_out} out")
     table.add_row("bytes", f"{size_text(result.bytes_in)} in -> {size_text(result.bytes_out)} out ({dtype})")
     table.add_row("layout", f"{result.format} tp={result.tp} pp={result.pp} ep={result.ep}, iteration {result.iteration}, {len(result.files)} file(s)")
     table.add_row("time", f"{result.seconds:.1f} s")
-    table.add_row("output", str(output_dir))
+    table.add_row("output", str(result.output_dir))
     console.print(table)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)

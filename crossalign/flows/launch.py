@@ -35,6 +35,7 @@ from crossalign.tasks.errors import InfrastructureError, StepFailed, exit_code_e
 LATE_WARNING_S = 60.0
 STEP_FLOW = "step"  # the one flow that carries out any step, deployed once per step
 STEP_FLOW_ENTRYPOINT = "crossalign.flows.steps:step_flow"
+CONVERT_PART = "convert-part/convert-part"  # a part of a torch_dist conversion, on the cpu pool (prefect.yaml)
 
 
 def step_log_path(run: Run, step: str):
@@ -142,6 +143,27 @@ def execute_deployment(run: Run, step: str, reporter: StepReporter, *, poll_inte
             if state.is_crashed() or attempt_record.get("retryable"):
                 raise InfrastructureError(step, f"{where}: {detail}")
             raise StepFailed(step, f"{where}: {detail}")
+
+
+def execute_convert_parts(run: Run, parts: int, reporter: StepReporter, *, token: str,
+                          poll_interval: float = 0.5) -> None:
+    """Run the ``parts`` parts of the run's torch_dist conversion as flow runs of the convert-part deployment, all
+    at once on the cpu pool's workers, and wait for them; ``token`` (the convert step's own flow run) keys them,
+    so a retried step starts them again. Raises like a step when a part fails."""
+    spec = run.spec("convert")
+    with _api_trouble_is_infrastructure(spec.name), get_client(sync_client=True) as client:
+        children = [run_deployment(CONVERT_PART, parameters={"run_id": run.run_id, "part": part, "parts": parts,
+                                                             "store": str(run.store.root)},
+                                   idempotency_key=f"{token}:part-{part}-of-{parts}", timeout=0,
+                                   flow_run_name=f"{run.run_id}-convert-part-{part}-of-{parts}")
+                    for part in range(parts)]
+        reporter.logger.info(f"convert: {parts} parts started on the cpu pool: "
+                             f"{', '.join(child.name for child in children)}")
+        for child in children:
+            state = _wait_final(client, child, spec, reporter, poll_interval, None)
+            if not state.is_completed():
+                where = f"flow run {child.name} of {CONVERT_PART} ended {state.name}: {state.message or ''}"
+                raise (InfrastructureError if state.is_crashed() else StepFailed)(spec.name, where)
 
 
 def _ended_attempt(client, flow_run_name: str, key: str):

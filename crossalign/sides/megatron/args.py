@@ -209,7 +209,7 @@ def megatron_args(
         *parallel_args(layout, m.is_moe),
         "--no-gradient-accumulation-fusion",
         "--log-interval", "1",
-        "--ckpt-format", "torch",
+        "--ckpt-format", t.megatron_ckpt_format,
     ]
     if t.bf16:
         args.append("--bf16")

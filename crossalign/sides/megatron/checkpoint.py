@@ -37,7 +37,9 @@ from crossalign.tensorio.errors import CheckpointError
 from crossalign.sides.megatron.merge import MergedModel, layout_of, merge_plan
 from crossalign.sides.megatron.sharding import Rank, check_parallel_sizes, is_routed_expert, shard_shapes, shard_tensor
 from crossalign.tensorio.safetensors_io import read_into
-from crossalign.sides.megatron.torch_dist import fill_torch_dist, is_torch_dist, torch_dist_plan
+from crossalign.sides.megatron.torch_dist import is_torch_dist, torch_dist_plan
+from crossalign.sides.megatron.torch_dist_layout import TorchDistLayout
+from crossalign.sides.megatron.torch_dist_write import finish_torch_dist, write_part
 from crossalign.tensorio.torch_file import TensorSpec, TorchFileWriter, write_to_all
 from crossalign.config import ModelConfig
 
@@ -352,8 +354,14 @@ def write_megatron_checkpoint(root: Path, iteration: int, state: Mapping[str, to
     return stream_megatron_checkpoint(root, iteration, specs, state.items(), model=model, tp=tp, pp=pp, ep=ep, etp=etp)
 
 
-def write_torch_dist_checkpoint(root: Path, iteration: int, state: Mapping[str, torch.Tensor], model: ModelConfig,
-                                core_version: str, dtype: torch.dtype) -> Path:
-    """Save a full state dict as a torch_dist checkpoint (``torch_dist.py``), tracker and all; returns the folder."""
-    return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER,
-                          lambda folder: fill_torch_dist(folder, state, model, core_version, dtype))
+def write_torch_dist_checkpoint(root: Path, iteration: int, specs: Mapping[str, TensorSpec],
+                                tensors: Iterable[tuple[str, torch.Tensor]], layout: TorchDistLayout) -> Path:
+    """Stream the full model (legacy TE keys at TP 1, ``specs`` in the order ``tensors`` hands them over) into a
+    torch_dist checkpoint of ``layout`` in one process (``torch_dist_write.py``), tracker and all; returns the
+    iteration folder."""
+
+    def fill(folder: Path) -> None:
+        write_part(folder, 0, specs, tensors, layout, with_objects=True)
+        finish_torch_dist(folder, 1, layout, iteration)
+
+    return save_iteration(root, iteration_dir_name(iteration), iteration, TRACKER, fill)

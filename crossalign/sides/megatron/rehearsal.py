@@ -110,17 +110,25 @@ def core_differences(checkout: Path) -> list[str]:
 
 
 def write_local_checkpoint(init: Path, folder: Path, config: AlignmentConfig) -> Path:
-    """The converted checkpoint under megatron-core's local-module names (what the CPU model holds)."""
+    """The converted checkpoint under megatron-core's local-module names (what the CPU model holds), in the run's
+    Megatron checkpoint format: legacy rank files, or torch_dist under the local model's sharded keys."""
     # loads torch, which an agent that only launches Megatron may lack
-    from crossalign.sides.megatron.checkpoint import read_megatron_checkpoint, write_megatron_checkpoint
+    from crossalign.sides.megatron.checkpoint import (read_megatron_checkpoint, write_megatron_checkpoint,
+                                                      write_torch_dist_checkpoint)
+    from crossalign.sides.megatron.torch_dist_layout import torch_dist_layout
+    from crossalign.tensorio.torch_file import TensorSpec
 
-    model = config.model
-    checkpoint = read_megatron_checkpoint(init, model)
+    model, core_version = config.model, config.training.megatron_core_version
+    checkpoint = read_megatron_checkpoint(init, model, core_version)
     state = split_stacked_experts(checkpoint.state, model.num_experts)
     target = folder / LOCAL_CHECKPOINT
     shutil.rmtree(target, ignore_errors=True)
-    write_megatron_checkpoint(target, checkpoint.iteration,
-                              te_to_local(state, model, config.training.megatron_core_version))
+    if config.training.megatron_ckpt_format == "torch_dist":
+        specs = {key: TensorSpec(tuple(tensor.shape), tensor.dtype) for key, tensor in state.items()}
+        write_torch_dist_checkpoint(target, checkpoint.iteration, specs, state.items(),
+                                    torch_dist_layout(model, core_version, "per_expert", names="local"))
+    else:
+        write_megatron_checkpoint(target, checkpoint.iteration, te_to_local(state, model, core_version))
     return target
 
 

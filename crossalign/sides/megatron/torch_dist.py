@@ -1,4 +1,4 @@
-"""Megatron's ``--ckpt-format torch_dist`` checkpoints (the default of recent Megatron): read them, and write them.
+"""Megatron's ``--ckpt-format torch_dist`` checkpoints (the default of recent Megatron), read a chunk at a time.
 
 Layout (core_v0.16.1 ``megatron/core/dist_checkpointing``)::
 
@@ -8,53 +8,46 @@ Layout (core_v0.16.1 ``megatron/core/dist_checkpointing``)::
     <root>/iter_0000010/__0_0.distcp ...      the data, in any number of files
     <root>/iter_0000010/common.pt             what is not sharded
 
-Every tensor is stored once as the whole model's tensor (its global shape), whatever layout
-saved it, so a load at any TP/PP/EP cuts out its own slices: Megatron reshards at load. The
-keys are the model's ``sharded_state_dict()`` keys, which differ from the legacy state dict's
-in three ways, undone by :func:`torch_dist_plan` and redone by megatron-core's own writer:
+Every tensor is stored once at its global shape, as chunks with offsets, whatever layout saved
+it, so a load at any TP/PP/EP cuts out its own slices: Megatron reshards at load. The keys and
+chunks are those of ``torch_dist_layout.py``; each chunk is one ``torch.save`` blob at an
+offset of a ``.distcp`` file (torch's ``FileSystemWriter``, ``filesystem.py`` ``_write_item``).
 
-* GatedDeltaNet's in_proj and conv1d are stored as their parts: ``in_proj.weight.query``,
-  ``.key``, ``.value``, ``.z``, ``.beta``, ``.alpha``; ``conv1d.weight.query``, ``.key``, ``.value``
-  (``megatron/core/ssm/gated_delta_net.py``, ``sharded_state_dict``);
-* routed experts are one tensor per layer, ``mlp.experts.experts.linear_fc1.weight`` [E, 2i, H],
-  the same for TE's grouped and the local sequential experts (``moe/experts.py``: "The sharded
-  state dict is interchangable with SequentialMLP's"), which is crossalign's stacked form;
-* a model built with megatron-core's local modules names the fused norms as local modules
-  (``input_layernorm.weight``); a TE model as TE does (``self_attention.linear_qkv.layer_norm_weight``).
-  Both are read; crossalign writes TE's names (``te_local.py``), the GPU run's.
-
-Reading needs no process group and no model: ``torch.distributed.checkpoint`` loads the whole
-tensors of the model keys one at a time (``DistTensor``), as the merge path (``merge.py``) asks
-for them (optimizer state, RNG state and TE ``_extra_state`` are left out).
-Writing builds megatron-core's GPTModel on the CPU (one process, gloo), loads the converted
-legacy state into it strictly and calls megatron-core's ``dist_checkpointing.save``: the file
-format is megatron-core's own, not a copy of it. That holds the model in memory once, in the
-stored dtype.
+Reading needs no process group, no model and no megatron-core: the index is checked against
+the model's layout before anything is read (every key the model's, at its global shape and
+dtype, its chunks tiling it, each in a data file that is there and long enough), and then
+``torch_dist_plan`` reads each legacy tensor (TE names, TP 1, routed experts one tensor per
+expert) from the chunks that overlap it, straight into the reader's buffer when a chunk is
+exactly its piece, else through one chunk's worth of scratch. So the merge path reads a routed
+expert at a time, not a layer's [E, ...] tensor. Optimizer state, RNG state and the
+``_extra_state`` objects are left out. The writer is ``torch_dist_write.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import io
 import json
-import re
+import math
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import torch
 
+from crossalign.config import ModelConfig
+from crossalign.models.layout import ExpertForm
 from crossalign.sides.megatron.merge import FullTensor
+from crossalign.sides.megatron.torch_dist_layout import Piece, torch_dist_layout
 from crossalign.tensorio.blocks import ReusedBuffer
 from crossalign.tensorio.errors import CheckpointError
-from crossalign.sides.megatron.te_local import local_to_te_names
-from crossalign.config import ModelConfig
+from crossalign.tensorio.safetensors_io import read_into
 
 METADATA = "metadata.json"
+INDEX = ".metadata"
 BACKEND = "torch_dist"
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
-GDN_PARTS = {"in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
-             "conv1d.weight": ("query", "key", "value")}
-_PART = re.compile(r"(.*\.self_attention\.(?:in_proj|conv1d)\.weight)\.(\w+)")
-_GROUPED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.experts\.(linear_fc[12]\.weight)")
+FLOATING = (torch.float32, torch.bfloat16, torch.float16)
+_LOCAL_HEADER_BYTES = 30  # a zip local file header before its name and extra field (lengths at bytes 26-29)
 
 
 def is_torch_dist(directory: Path) -> bool:
@@ -71,159 +64,236 @@ def is_torch_dist(directory: Path) -> bool:
     return True
 
 
-class DistTensor:
-    """One tensor of a torch_dist folder under its sharded key, read whole by ``torch.distributed.checkpoint``.
-
-    ``dcp.load`` of that key alone reads its chunks (one, or one per rank that saved it) into
-    the target, so the folder is read a tensor at a time.
-    """
-
-    def __init__(self, reader, key: str, shape: tuple[int, ...], dtype: torch.dtype, directory: Path):
-        self.reader, self.key, self.shape, self.dtype = reader, key, shape, dtype
-        self.where = f"{directory}: {key}"
-
-    def read(self, buffer: ReusedBuffer | None = None) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp  # heavy, and only a torch_dist folder needs it
-
-        out = buffer.view(self.shape, self.dtype) if buffer is not None else torch.empty(self.shape, dtype=self.dtype)
-        try:
-            dcp.load({self.key: out}, storage_reader=self.reader, no_dist=True)
-        except Exception as exc:  # a missing or truncated .distcp file raises whatever its reader meets
-            raise CheckpointError(f"{self.where}: cannot be read ({exc})") from None
-        return out
-
-
-def _reader(directory: Path):
-    """A ``FileSystemReader`` that reads the index ``.metadata`` once (``dcp.load`` asks for it on every call)."""
+def read_index(directory: Path):
+    """torch.distributed.checkpoint's ``Metadata`` of a torch_dist folder, read with its own reader."""
     import torch.distributed.checkpoint as dcp  # heavy, and only a torch_dist folder needs it
 
-    class _Reader(dcp.FileSystemReader):
-        _metadata = None
-
-        def read_metadata(self):
-            if self._metadata is None:
-                self._metadata = super().read_metadata()
-            return self._metadata
-
-    return _Reader(str(directory))
-
-
-def torch_dist_plan(directory: Path, model: ModelConfig, core_version: str) -> dict[str, FullTensor]:
-    """Every model tensor of a torch_dist folder under its legacy TE key at TP 1 (routed experts stacked), as
-    the parts it is read from; nothing is read but the index.
-
-    Optimizer state, RNG state and TE ``_extra_state`` are left out.
-    """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # as above: torch_dist folders only
-
-    reader = _reader(directory)
     try:
-        metadata = reader.read_metadata()
-    except Exception as exc:  # a missing or foreign .metadata raises whatever its unpickling meets
-        raise CheckpointError(f"{directory}: cannot read the torch_dist index .metadata ({exc})") from None
-    renames = local_to_te_names(model, core_version)
-    parts: dict[str, dict[str, DistTensor]] = {}
-    tensors: dict[str, FullTensor] = {}
-    for key, info in metadata.state_dict_metadata.items():
-        if not isinstance(info, TensorStorageMetadata) or not key.startswith(MODEL_PREFIXES):
+        return dcp.FileSystemReader(str(directory)).read_metadata()
+    except Exception as exc:  # a missing, truncated or foreign pickle raises whatever its unpickling meets
+        raise CheckpointError(f"{Path(directory) / INDEX}: cannot read the torch_dist index ({exc})") from None
+
+
+class _FileView(io.RawIOBase):
+    """``length`` bytes of an open file from ``offset``, as a file of its own (for zipfile and torch.load)."""
+
+    def __init__(self, handle, offset: int, length: int):
+        self.handle, self.offset, self.length, self.position = handle, offset, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = base + position
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        size = max(0, min(len(buffer), self.length - self.position))
+        self.handle.seek(self.offset + self.position)
+        got = self.handle.readinto(memoryview(buffer)[:size])
+        self.position += got
+        return got
+
+
+@dataclass
+class StoredChunk:
+    """One chunk of a sharded key: where its ``torch.save`` blob is, and what the index says it holds.
+
+    Before its first read the blob's zip records are checked: one stored tensor record of the
+    chunk's bytes. The first chunk of each key (``unpickle``) is also loaded on the meta device by
+    torch, which reads only its pickle, to check the dtype and shape it holds (about a millisecond
+    a blob: for every chunk it would cost a real model's conversion minutes).
+    """
+
+    file: Path
+    key: str
+    offset: int  # of the blob in the file
+    length: int
+    offsets: tuple[int, ...]  # of the chunk in the global tensor
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    unpickle: bool = False
+    _data: int | None = None  # file offset of the chunk's bytes, found on the first read
+
+    def _data_offset(self) -> int:
+        """Where the tensor's bytes start in the file, after checking the blob holds what the index says."""
+        if self._data is not None:
+            return self._data
+        where = f"{self.file}: {self.key!r} chunk at {list(self.offsets)}"
+        nbytes = math.prod(self.sizes) * self.dtype.itemsize
+        try:
+            with open(self.file, "rb") as handle:
+                blob = _FileView(handle, self.offset, self.length)
+                meta = torch.load(blob, map_location="meta", weights_only=True) if self.unpickle else None
+                blob.seek(0)
+                with zipfile.ZipFile(blob) as archive:
+                    records = [info for info in archive.infolist() if info.filename.endswith("/data/0")]
+                header = records[0].header_offset if len(records) == 1 else None
+                blob.seek(header + 26 if header is not None else 0)
+                lengths = blob.read(4)
+        except Exception as exc:  # a blob that is not a torch.save file raises whatever its parser meets
+            raise CheckpointError(f"{where}: not a torch.save blob ({exc})") from None
+        if meta is not None and (not isinstance(meta, torch.Tensor) or meta.dtype != self.dtype
+                                 or tuple(meta.shape) != self.sizes or not meta.is_contiguous()
+                                 or meta.storage_offset() != 0):
+            what = f"{meta.dtype} {list(meta.shape)}" if isinstance(meta, torch.Tensor) else type(meta).__name__
+            raise CheckpointError(f"{where}: the data file holds {what}, the index says {self.dtype} "
+                                  f"{list(self.sizes)}")
+        if header is None or records[0].file_size != nbytes or records[0].compress_type != zipfile.ZIP_STORED:
+            held = f"{records[0].file_size} bytes" if header is not None else f"{len(records)} tensor records"
+            raise CheckpointError(f"{where}: the data file holds {held}, the index says {self.dtype} "
+                                  f"{list(self.sizes)} ({nbytes} bytes)")
+        name_length, extra_length = int.from_bytes(lengths[:2], "little"), int.from_bytes(lengths[2:], "little")
+        self._data = self.offset + header + _LOCAL_HEADER_BYTES + name_length + extra_length
+        return self._data
+
+    def read(self, target: torch.Tensor) -> None:
+        """The chunk's data into ``target`` (contiguous, of the chunk's numel and dtype)."""
+        with open(self.file, "rb", buffering=0) as handle:
+            handle.seek(self._data_offset())
+            read_into(handle, self.file, self.key, target)
+
+
+class DistTensor:
+    """One legacy tensor of a torch_dist folder, read from the chunks that hold its pieces (a merge ``Part``)."""
+
+    def __init__(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, pieces: tuple[Piece, ...],
+                 chunks: dict[str, dict[tuple, StoredChunk]], directory: Path, scratch: ReusedBuffer):
+        self.key, self.shape, self.dtype, self.pieces, self.chunks = key, shape, dtype, pieces, chunks
+        self.where, self._scratch = f"{directory}: {pieces[0].key}", scratch
+
+    def read(self, buffer: ReusedBuffer | None = None) -> torch.Tensor:
+        out = buffer.view(self.shape, self.dtype) if buffer is not None else torch.empty(self.shape, dtype=self.dtype)
+        for piece in self.pieces:
+            self._read_piece(piece, piece.take(out))
+        return out
+
+    def _read_piece(self, piece: Piece, target: torch.Tensor) -> None:
+        chunks = self.chunks[piece.key]
+        exact = chunks.get((piece.offsets, piece.sizes))
+        if exact is not None and target.is_contiguous():  # the chunk is the piece: straight into the target
+            exact.read(target)
+            return
+        for chunk in chunks.values():
+            low = [max(a, b) for a, b in zip(piece.offsets, chunk.offsets)]
+            high = [min(a + n, b + m) for a, n, b, m in zip(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)]
+            if any(lo >= hi for lo, hi in zip(low, high)):
+                continue
+            data = self._scratch.view(chunk.sizes, chunk.dtype)
+            chunk.read(data)
+            into, out_of = target, data
+            for dim, (lo, hi) in enumerate(zip(low, high)):
+                into = into.narrow(dim, lo - piece.offsets[dim], hi - lo)
+                out_of = out_of.narrow(dim, lo - chunk.offsets[dim], hi - lo)
+            into.copy_(out_of)
+
+
+def _tiles(key: str, shape: tuple[int, ...], chunks: list[StoredChunk], index: Path) -> None:
+    """The chunks cover the tensor exactly once: each a union of cells of the grid of all their boundaries."""
+    bounds = [sorted({0, size, *(c.offsets[d] for c in chunks), *(c.offsets[d] + c.sizes[d] for c in chunks)})
+              for d, size in enumerate(shape)]
+    covered: set[tuple[int, ...]] = set()
+    for chunk in chunks:
+        if len(chunk.offsets) != len(shape) or any(o < 0 or o + n > size for o, n, size in
+                                                   zip(chunk.offsets, chunk.sizes, shape)):
+            raise CheckpointError(f"{index}: {key!r} has a chunk at {list(chunk.offsets)} of {list(chunk.sizes)} "
+                                  f"outside its shape {list(shape)}")
+        ranges = [range(b.index(o), b.index(o + n)) for b, o, n in zip(bounds, chunk.offsets, chunk.sizes)]
+        cells = set(_grid(ranges))
+        if cells & covered:
+            raise CheckpointError(f"{index}: {key!r} has overlapping chunks (one at {list(chunk.offsets)})")
+        covered |= cells
+    if len(covered) != math.prod(len(b) - 1 for b in bounds):
+        raise CheckpointError(f"{index}: the chunks of {key!r} do not cover its shape {list(shape)}")
+
+
+def _grid(ranges: list[range]):
+    if not ranges:
+        yield ()
+        return
+    for first in ranges[0]:
+        for rest in _grid(ranges[1:]):
+            yield (first, *rest)
+
+
+def local_aliases(model: ModelConfig, core_version: str, experts: ExpertForm = "per_expert") -> dict[str, str]:
+    """The sharded key of megatron-core's local-module model -> TE's, where they differ (the fused norms)."""
+    te, local = (torch_dist_layout(model, core_version, experts, names) for names in ("te", "local"))
+    return {mine.key: theirs.key for legacy, pieces in te.pieces.items()
+            for theirs, mine in zip(pieces, local.pieces[legacy]) if mine.key != theirs.key}
+
+
+def torch_dist_plan(directory: Path, model: ModelConfig, core_version: str,
+                    experts: ExpertForm = "per_expert") -> dict[str, FullTensor]:
+    """Every model tensor of a torch_dist folder under its legacy TE key at TP 1, as the chunks it is read from.
+
+    Only the index is read, and held against the model's layout and the data files' sizes;
+    each problem names the file and the key. Local-module norm names are read as TE's.
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata  # torch_dist only
+
+    directory = Path(directory)
+    index = directory / INDEX
+    metadata = read_index(directory)
+    layout = torch_dist_layout(model, core_version, experts)
+    expected = layout.global_shapes
+    aliases: dict[str, str] | None = None  # built only for a checkpoint of the local model's keys
+    stored: dict[str, dict[tuple, StoredChunk]] = {}
+    sizes: dict[Path, int] = {}
+    dtypes: dict[torch.dtype, str] = {}
+    for name, info in metadata.state_dict_metadata.items():
+        if not isinstance(info, TensorStorageMetadata) or not name.startswith(MODEL_PREFIXES):
             continue
-        tensor = DistTensor(reader, key, tuple(info.size), info.properties.dtype, directory)
-        part = _PART.fullmatch(key)
-        if part:
-            parts.setdefault(part.group(1), {})[part.group(2)] = tensor
-            continue
-        grouped = _GROUPED_EXPERTS.fullmatch(key)
-        tensors[f"{grouped.group(1)}.{grouped.group(2)}" if grouped else renames.get(key, key)] = FullTensor(
-            ((tensor,),))
-    if not tensors and not parts:
-        raise CheckpointError(f"{directory}: the torch_dist checkpoint holds no model tensors")
-    for key, pieces in parts.items():
-        names = GDN_PARTS[key.rsplit(".", 2)[-2] + ".weight"]
-        if set(pieces) != set(names):
-            raise CheckpointError(f"{key}: torch_dist parts {sorted(pieces)}, expected {list(names)}")
-        tensors[key] = FullTensor(tuple((pieces[name],) for name in names))  # the parts' rows, in this order
+        key = name
+        if key not in expected:
+            aliases = local_aliases(model, core_version, experts) if aliases is None else aliases
+            key = aliases.get(name, name)
+        if key not in expected:
+            raise CheckpointError(f"{index}: {name!r} is not a tensor of model {model.name} (core {core_version})")
+        if tuple(info.size) != expected[key]:
+            raise CheckpointError(f"{index}: {name!r} has shape {list(info.size)}, model {model.name} "
+                                  f"{list(expected[key])}")
+        dtype = info.properties.dtype
+        if dtype not in FLOATING:
+            raise CheckpointError(f"{index}: {name!r} is {dtype}, not a floating dtype of a model's weights")
+        dtypes.setdefault(dtype, name)
+        if len(dtypes) > 1:
+            first, other = list(dtypes.items())
+            raise CheckpointError(f"{index}: {other[1]!r} is {other[0]}, while {first[1]!r} is {first[0]}: a "
+                                  "checkpoint holds its model in one dtype")
+        chunks = []
+        for chunk in info.chunks:
+            where = metadata.storage_data.get(MetadataIndex(name, chunk.offsets))
+            if where is None:
+                raise CheckpointError(f"{index}: {name!r} has no data for its chunk at {list(chunk.offsets)}")
+            file = directory / where.relative_path
+            if file not in sizes:
+                sizes[file] = file.stat().st_size if file.exists() else -1
+            if sizes[file] < 0:
+                raise CheckpointError(f"{file}: the data file of {name!r} is missing")
+            if where.offset + where.length > sizes[file]:
+                raise CheckpointError(f"{file}: truncated: {name!r} is stored up to byte {where.offset + where.length}"
+                                      f", the file has {sizes[file]}")
+            chunks.append(StoredChunk(file, name, where.offset, where.length, tuple(chunk.offsets),
+                                      tuple(chunk.sizes), dtype, unpickle=not chunks))
+        _tiles(name, tuple(info.size), chunks, index)
+        stored[key] = {(chunk.offsets, chunk.sizes): chunk for chunk in chunks}
+    missing = sorted(set(expected) - set(stored))
+    if missing:
+        raise CheckpointError(f"{index}: model {model.name} (core {core_version}) has {len(missing)} tensors the "
+                              f"checkpoint does not: {missing[:5]}")
+    scratch = ReusedBuffer()
+    dtype = next(iter(dtypes))
+    tensors = {}
+    for legacy, pieces in layout.pieces.items():
+        tensors[legacy] = FullTensor(((DistTensor(legacy, layout.shapes[legacy], dtype, pieces, stored, directory,
+                                                  scratch),),))
     return tensors
 
-
-def _sharded_state_dict(net) -> dict:
-    """The model's sharded state dict with the metadata Megatron's training passes (its data-parallel group):
-    GPTModel needs it to tie the MTP stage's copy of the embedding when that stage is not the first."""
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
-
-    return net.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
-
-
-def _sharded_keys_as_te(sharded: dict, model: ModelConfig, core_version: str) -> dict:
-    """The local model's sharded state dict with the fused norms under TE's keys (what a GPU run loads)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    renames = local_to_te_names(model, core_version)
-    for value in sharded.values():
-        if isinstance(value, ShardedTensor) and value.key in renames:
-            value.key = renames[value.key]
-    return sharded
-
-
-@contextlib.contextmanager
-def _cpu_writer() -> Iterator[None]:
-    """megatron-core's writer on the CPU: its device='cuda' literals mapped to the CPU, and no CUDA sync.
-
-    ``FileSystemWriterAsync.preload_tensors`` copies each tensor to the host without blocking and
-    then calls ``torch.cuda.synchronize()`` (core_v0.16.1 ``strategies/filesystem_async.py:229``):
-    on the CPU the copies are done when they return, and there is nothing to wait for.
-    """
-    from crossalign.sides.megatron.embedded.mcore_cpu import CudaLiteralsToCpu
-
-    synchronize = torch.cuda.synchronize
-    torch.cuda.synchronize = lambda device=None: None
-    try:
-        with CudaLiteralsToCpu():
-            yield
-    finally:
-        torch.cuda.synchronize = synchronize
-
-
-def save_sharded(net, folder: Path, model: ModelConfig, core_version: str) -> None:
-    """megatron-core's ``dist_checkpointing.save`` of a built model into ``folder``, norms under TE's keys.
-
-    Runs inside ``megatron_core_on_cpu`` (or any process group of the model's layout).
-    """
-    from megatron.core import dist_checkpointing
-
-    with _cpu_writer():
-        dist_checkpointing.save(_sharded_keys_as_te(_sharded_state_dict(net), model, core_version), str(folder))
-
-
-def load_sharded(net, folder: Path, model: ModelConfig, core_version: str) -> None:
-    """megatron-core's ``dist_checkpointing.load`` of a torch_dist folder into a built model (any layout)."""
-    from megatron.core import dist_checkpointing
-
-    sharded = _sharded_keys_as_te(_sharded_state_dict(net), model, core_version)
-    with _cpu_writer():
-        loaded = dist_checkpointing.load(sharded, str(folder))
-    net.load_state_dict(loaded, strict=True)
-
-
-def fill_torch_dist(folder: Path, state: Mapping[str, torch.Tensor], model: ModelConfig, core_version: str,
-                    dtype: torch.dtype) -> None:
-    """Save a full legacy (TE, TP 1) state dict into an iteration folder with megatron-core's own writer.
-
-    The model is built in ``dtype`` (fp32 or bf16) and loaded strictly, so a key or shape that
-    megatron-core's model does not have is named before anything is written.
-    """
-    from crossalign.sides.megatron.embedded.mcore_cpu import megatron_core_on_cpu
-    from crossalign.sides.megatron.embedded.mcore_model import McoreLoadError, build_gpt_model, load_converted_state
-    from crossalign.config import TrainingConfig
-
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise CheckpointError(f"torch_dist is written in fp32 or bf16, not {dtype}")
-    # Only the dropouts of the training settings reach the model, and alignment fixes them at 0.
-    training = TrainingConfig(seq_length=1, global_batch_size=1, train_iters=1, base_train_iters=1, lr=1.0)
-    with megatron_core_on_cpu(seed=0):
-        net = build_gpt_model(model, training, bf16=dtype == torch.bfloat16)
-        net.to(dtype)  # megatron-core's local norms keep fp32 weights in a bf16 model; TE's are in the model's dtype
-        try:
-            load_converted_state(net, state, model, core_version)
-        except McoreLoadError as exc:
-            raise CheckpointError(str(exc)) from None
-        save_sharded(net, folder, model, core_version)
