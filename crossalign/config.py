@@ -12,7 +12,6 @@ are not divisible into 5 query groups``.
 
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -128,7 +127,7 @@ class ModelConfig(_Strict):
         """Layer ``index`` (0-based) is full attention iff (index+1) % linear_attention_freq == 0."""
         return "attention" if (index + 1) % self.linear_attention_freq == 0 else "gdn"
 
-    @cached_property
+    @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         return tuple(self.layer_kind(i) for i in range(self.num_layers))
 

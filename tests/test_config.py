@@ -176,3 +176,11 @@ def test_the_real_layouts_of_the_launch_example_are_accepted():
         "parallel.mindformers.sequence_parallel=true", "parallel.mindformers.cards_per_node=16",
         "training.global_batch_size=16"])
     assert config.parallel.megatron.data_parallel == 4 and config.parallel.mindformers.data_parallel == 2
+
+
+def test_a_copy_with_another_attention_frequency_has_its_own_layer_kinds():
+    """The layer kinds are read from the fields each time: a copy made with model_copy(update=...) does not keep
+    the original's."""
+    model = load_config("qwen35_dense_tiny").model
+    assert model.layer_kinds == ("gdn", "gdn", "gdn", "attention")
+    assert model.model_copy(update={"linear_attention_freq": 2}).layer_kinds == ("gdn", "attention", "gdn", "attention")

@@ -38,6 +38,7 @@ from crossalign.tensorio.atomic import check_output_dir
 from crossalign.tensorio.blocks import one_thread
 from crossalign.checkpoint.convert_core import (
     ConvertReport,
+    Fetch,
     Progress,
     cast,
     check_dtype,
