@@ -12,6 +12,8 @@ are not divisible into 5 query groups``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -30,6 +32,12 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def digest(self) -> str:
+        """sha256 of this section as JSON, keys sorted (a whole config's is the digest the run store takes of the
+        config run.json holds)."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 class ModelConfig(_Strict):
