@@ -73,8 +73,7 @@ def _diagnose_msprobe(model: Optional[str], run_dir: Optional[Path], npu_dump: O
         if config is None:
             raise SideError("--model is required with --npu-dump/--gpu-dump (the layouts and conversion rules)")
         with console.status("reading, merging and comparing the msprobe dumps"):
-            result = diagnose_msprobe(npu_dump, gpu_dump, config, out or Path(DIAGNOSE_DIR),
-                                      "bf16" if precision == "auto" else precision, step)
+            result = diagnose_msprobe(npu_dump, gpu_dump, config, out or Path(DIAGNOSE_DIR), precision, step)
     print_msprobe_diagnosis(result, console, limit=rows)
     if result.diagnosis.diverged:
         raise typer.Exit(1)
@@ -104,7 +103,8 @@ def diagnose_command(
                                                  "with --mindspore-dump."),
     precision: str = typer.Option("auto", "--precision", help="Divergence thresholds for existing dumps: fp32 (our "
                                   "CPU models) or bf16 (real runs); auto: fp32 for --mindspore-dump/--megatron-dump, "
-                                  "bf16 for msprobe dumps."),
+                                  "and for msprobe dumps from the dtypes they recorded (fp32 where both sides ran in "
+                                  "fp32, else the looser side's, bf16's)."),
     seq: Optional[int] = typer.Option(None, "--seq", help="Tokens per sample (default: training.seq_length)."),
     batch: Optional[int] = typer.Option(None, "--batch", help="Samples (default: training.micro_batch_size)."),
     data: Optional[Path] = typer.Option(None, "--data", help="Indexed dataset prefix (or its folder): use its first "
@@ -129,7 +129,9 @@ def diagnose_command(
 
     With --npu-dump/--gpu-dump (or --run of a run whose train steps dumped with msprobe) it compares the two
     real runs' msprobe dumps instead: weights through the conversion rules, forward, backward and weight gradients,
-    with msprobe's metrics, and writes msprobe's own layer_mapping.yaml and data_mapping.yaml beside the report.
+    with msprobe's metrics, and writes msprobe's own layer_mapping.yaml and data_mapping.yaml beside the report, for
+    every pair of rank folders msprobe's compare takes. The dumps are first held against the config: a rank folder
+    or shard that does not fit its side's layout, or a model other than the config's, is refused (exit 2).
 
     Exit status 0 when no module diverges and the checkpoint loads strictly, 1 otherwise, 2 for unusable input.
     """
