@@ -37,14 +37,14 @@ from dataclasses import dataclass, field
 
 from crossalign.config import AlignmentConfig, ModelConfig
 from crossalign.diagnose.hooks import DEFAULT_STRIP_PREFIXES, strip_wrapper_prefixes
-from crossalign.diagnose.msprobe_dump import MsprobeDumpError, RankDump, StepDump
+from crossalign.diagnose.msprobe_dump import OPTIONS, SIDE_NAMES, MsprobeDumpError, RankDump, StepDump
 from crossalign.diagnose.msprobe_shards import SideLayout
 from crossalign.models.layout import megatron_shapes, mindformers_buffers, mindformers_shapes
 from crossalign.sides.megatron.sharding import is_routed_expert, mindformers_split_dim, partition_of, shard_shapes
 from crossalign.sides.megatron.te_local import te_to_local_names
 from crossalign.tensorio.errors import CheckpointError
 
-SIDES = {"mindspore": ("--npu-dump", "MindFormers", "mindformers"), "megatron": ("--gpu-dump", "Megatron", "megatron")}
+SECTIONS = {"mindspore": "mindformers", "megatron": "megatron"}  # each side's layout: parallel.<section>
 _CHUNK = re.compile(r"^(\d+)\.")  # msprobe's index of a model chunk (Megatron) or stage (MindFormers) in a list
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 _MS_EXPERTS = re.compile(r"\.mlp\.experts\.weight[12]$")
@@ -207,8 +207,8 @@ def model_problems(params: RankParameters, names: SideModel, first: bool) -> lis
     if len(ways) > 1:
         usual = max(ways, key=lambda count: len(ways[count]))
         odd = [f"{text} (1/{count})" for count, texts in ways.items() if count != usual for text in texts]
-        problems.append(f"{params.folder} splits the model's widths {usual} ways in {len(ways[usual])} weights but "
-                        f"otherwise: {_some(odd)}: widths of another model")
+        problems.append(f"{params.folder} holds {len(ways[usual])} weights at 1/{usual} of the model's widths, but "
+                        f"{_some(odd)}: widths of another model")
     layers = _layers(params.shapes)
     if first and FINAL_NORM in params.shapes and len(layers) != model.num_layers:
         # the first rank is the first pipeline stage: holding the final norm, it holds the last stage too
@@ -358,7 +358,7 @@ def implied_layout(ranks: list[RankParameters], names: SideModel) -> tuple[Layou
         pipeline = model.num_layers // len(layers)
         evidence.append(f"{first.folder} holds {len(layers)} of the {model.num_layers} decoder layers and not the "
                         f"final norm: PP {pipeline}")
-    sequence_parallel = None
+    sequence_parallel = False if tensor == 1 else None  # nothing to split the sequence over
     if first.sequence_split is not None and tensor is not None and tensor > 1:
         module, inputs, outputs = first.sequence_split
         sequence_parallel = outputs[0] == inputs[0] * tensor
@@ -370,7 +370,7 @@ def implied_layout(ranks: list[RankParameters], names: SideModel) -> tuple[Layou
 
 def _settings(side: str, implied: Layout, layout) -> list[str]:
     """The ``--set`` options that make the config's layout say what the dump implies."""
-    section = f"parallel.{SIDES[side][2]}"
+    section = f"parallel.{SECTIONS[side]}"
     wanted = {"tensor": implied.tensor, "pipeline": implied.pipeline, "expert": implied.expert,
               "sequence_parallel": implied.sequence_parallel}
     current = {"tensor": layout.tensor, "pipeline": layout.pipeline, "expert": layout.expert,
@@ -405,7 +405,7 @@ def unmerged_settings(layout, section: str, ranks: list[RankParameters]) -> list
 def check_side(step: StepDump, config: AlignmentConfig, side: str) -> list[str]:
     """Problems of one side's dump against the config (empty: it fits): settings whose dumps are not merged, then
     the model (names, widths, layers), then the layout (rank folders, shards)."""
-    option, framework, section = SIDES[side]
+    option, framework, section = OPTIONS[step.framework], SIDE_NAMES[step.framework], SECTIONS[side]
     model = config.model
     layout = config.parallel.megatron if side == "megatron" else config.parallel.mindformers
     names = SideModel(side, model, config.training.megatron_core_version)

@@ -14,11 +14,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from crossalign.diagnose.compare import Thresholds
-from crossalign.diagnose.msprobe_dump import StepDump
+from crossalign.diagnose.msprobe_dump import SIDE_NAMES, StepDump
 
 SIXTEEN_BITS = ("bfloat16", "float16")  # lower-cased, torch. dropped
 WIDE = ("float32", "float64")
-NAMES = {"mindspore": "MindFormers", "pytorch": "Megatron"}
 
 
 @dataclass(frozen=True)
@@ -67,12 +66,12 @@ def _side(counts: Counter) -> tuple[str, str]:
 def choose_precision(npu: StepDump, gpu: StepDump, asked: str) -> PrecisionChoice:
     """The thresholds for ``--precision asked`` (auto, fp32 or bf16) and the reason."""
     sides = {step.framework: _side(float_dtypes(step)) for step in (npu, gpu)}
-    said = "; ".join(f"the {NAMES[framework]} dump records {text}" for framework, (_, text) in sides.items())
+    said = "; ".join(f"the {SIDE_NAMES[framework]} dump records {text}" for framework, (_, text) in sides.items())
     if asked in ("fp32", "bf16"):
         return PrecisionChoice(asked, f"--precision {asked} (asked; {said})")
     if asked != "auto":
         raise ValueError(f"--precision {asked!r}: expected auto, fp32 or bf16")
-    narrow = [NAMES[framework] for framework, (kind, _) in sides.items() if kind != "fp32"]
+    narrow = [SIDE_NAMES[framework] for framework, (kind, _) in sides.items() if kind != "fp32"]
     if not narrow:
         return PrecisionChoice("fp32", f"--precision auto: both sides ran in fp32 ({said}): fp32 thresholds")
     if len(narrow) == len(sides):

@@ -19,10 +19,10 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from crossalign.config import AlignmentConfig
-from crossalign.diagnose.msprobe_dump import MsprobeDumpError, StepDump
+from crossalign.diagnose.msprobe_dump import OPTIONS, MsprobeDumpError, StepDump
 from crossalign.dump_settings import RECORD_FILE, DumpRecord
 
-SIDES = {"mindformers": "--npu-dump", "megatron": "--gpu-dump"}
+FRAMEWORK = {"mindformers": "mindspore", "megatron": "pytorch"}  # a record's side -> msprobe's framework of it
 
 
 class DumpRecordError(MsprobeDumpError):
@@ -48,7 +48,7 @@ def read_records(step: StepDump) -> dict[int, DumpRecord | None]:
 
 def _one_run(step: StepDump, side: str, records: dict[int, DumpRecord | None]) -> DumpRecord | None:
     """The record every rank of a side shares (rank aside), or None where none has one."""
-    option = SIDES[side]
+    option = OPTIONS[FRAMEWORK[side]]
     have = {rank: record for rank, record in records.items() if record is not None}
     if not have:
         return None
@@ -57,7 +57,8 @@ def _one_run(step: StepDump, side: str, records: dict[int, DumpRecord | None]) -
     if lacking:
         raise DumpRecordError(f"{option} {step.path}: {', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} "
                               f"no dump record ({RECORD_FILE}) beside msprobe's files while "
-                              f"{', '.join(folder[r].name for r in have)} do: not written by one run")
+                              f"{', '.join(folder[r].name for r in have)} {'has' if len(have) == 1 else 'have'} one: "
+                              f"not written by one run")
     first_rank = min(have)
     first = have[first_rank]
     for rank, record in have.items():
@@ -91,7 +92,7 @@ def pair_records(npu: StepDump, gpu: StepDump) -> tuple[dict[str, DumpRecord | N
     from several runs or the two sides from different runs or configs."""
     records = {"mindformers": _one_run(npu, "mindformers", read_records(npu)),
                "megatron": _one_run(gpu, "megatron", read_records(gpu))}
-    notes = [f"{SIDES[side]} {step.path} has no dump record ({RECORD_FILE}): which run wrote it, and with which "
+    notes = [f"{OPTIONS[step.framework]} {step.path} has no dump record ({RECORD_FILE}): which run wrote it, and with which "
              f"config, could not be checked" for side, step in (("mindformers", npu), ("megatron", gpu))
              if records[side] is None]
     ms, mg = records["mindformers"], records["megatron"]
@@ -112,7 +113,7 @@ def records_against_config(records: dict[str, DumpRecord | None], paths: dict[st
     for side, record in records.items():
         if record is None:
             continue
-        where = f"{SIDES[side]} {paths[side]}"
+        where = f"{OPTIONS[FRAMEWORK[side]]} {paths[side]}"
         if record.model_digest != config.model.digest():
             raise DumpRecordError(f"{where}: its record says it was trained with another model config (model digest "
                                   f"{record.model_digest[:12]}; the config {config.model.name!r} given has "

@@ -20,7 +20,7 @@ from pathlib import Path
 from crossalign.checkpoint.rules import conversion_plan
 from crossalign.config import AlignmentConfig
 from crossalign.diagnose.mapping import module_mapping
-from crossalign.diagnose.msprobe_dump import MsprobeDumpError, StepDump, read_dump
+from crossalign.diagnose.msprobe_dump import OPTIONS, SIDE_NAMES, MsprobeDumpError, StepDump, read_dump
 from crossalign.diagnose.msprobe_export import Mappings, write_mappings
 from crossalign.diagnose.msprobe_fit import check_pair
 from crossalign.diagnose.msprobe_match import MsprobeDiagnosis, compare_msprobe_dumps
@@ -31,7 +31,6 @@ from crossalign.store import RunStore, StoreError
 
 CSV_NAME = "msprobe_diagnosis.csv"
 SUMMARY_NAME = "msprobe_summary.json"
-SIDES = {"mindspore": ("--npu-dump", "MindFormers (MindSpore)"), "pytorch": ("--gpu-dump", "Megatron (PyTorch)")}
 
 
 @dataclass
@@ -58,9 +57,9 @@ def read_side(folder: Path, framework: str, step: int | None) -> StepDump:
     """One side's step dump; a dump of the other framework is an error naming its dump.json."""
     dump = read_dump(Path(folder), step)
     if dump.framework != framework:
-        option, side = SIDES[framework]
         first = next(iter(dump.ranks.values())).path / "dump.json"
-        raise MsprobeDumpError(f"{first}: a {dump.framework} dump given as {option}, which takes the {side} side")
+        raise MsprobeDumpError(f"{first}: a {dump.framework} dump given as {OPTIONS[framework]}, which takes the "
+                               f"{SIDE_NAMES[framework]} ({framework}) side")
     return dump
 
 

@@ -62,7 +62,8 @@ class DumpPair:
 
 def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics", level: str = "L0",
                        megatron: dict | None = None, fault: str | None = None, seed: int = 11,
-                       npu_of: DumpPair | None = None, run_id: str | None = None, timeout_s: float = 900) -> DumpPair:
+                       npu_of: DumpPair | None = None, run_id: str | None = None, settings: tuple[str, ...] = (),
+                       timeout_s: float = 900) -> DumpPair:
     """Both embedded trainers one iteration under msprobe, from one checkpoint and one batch (see the module).
 
     ``megatron``: the Megatron layout (``parallel.megatron`` fields; default TP 2 x EP 2 for a MoE config, TP 2
@@ -75,13 +76,16 @@ def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics",
     ``npu_of``: an earlier pair of the same config, seed, task and level whose MindSpore dump this pair shares (the
     MindSpore side does not depend on the Megatron layout or fault): the MindSpore trainer is not run again.
 
+    ``settings``: more ``--set`` overrides of the config both train with (``training.embedded_precision=bf16``: the
+    Megatron side computes in bf16, the MindSpore side in fp32 whatever it says).
+
     ``run_id``: the run both trainings' dump records name (``crossalign_dump.json`` in each rank folder; default
     ``<config>-<seed>``, which a pair sharing another's MindSpore dump shares too)."""
     out = Path(out)
     model = load_config(config_name).model
     layout = megatron if megatron is not None else (TP2_EP2 if model.is_moe else TP2)
     config = load_config(config_name, ONE_STEP + [f"parallel.megatron.{key}={str(value).lower()}"
-                                                  for key, value in layout.items()])
+                                                  for key, value in layout.items()] + list(settings))
     m = config.parallel.megatron
     write_mindformers_checkpoint(out / "mindformers", 1, random_mindformers_state(config.model, seed), None,
                                  default_common(1, config.training.global_batch_size))
@@ -150,8 +154,11 @@ def _check_same_mindspore_side(earlier: DumpPair, out: Path) -> None:
 
 
 def _but_megatron(config: AlignmentConfig) -> dict:
+    """What the MindSpore side trains with: the config less the Megatron layout and the embedded megatron-train's
+    precision (the MindSpore trainer computes in fp32 whatever it says)."""
     settings = config.model_dump(mode="json")
     settings["parallel"].pop("megatron")
+    settings["training"].pop("embedded_precision")
     return settings
 
 

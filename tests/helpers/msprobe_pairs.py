@@ -48,30 +48,45 @@ class MegatronWrappers(torch.nn.Module):
 def _torch_step(net, batch: Batch) -> None:
     _, loss, mtp, aux = net(torch.from_numpy(batch.input_ids), torch.from_numpy(batch.labels),
                             torch.from_numpy(batch.loss_mask))
-    (loss + mtp.sum() + aux).float().backward()
+    (loss + mtp.sum() + aux).backward()
+
+
+class ScaledGradient(torch.autograd.Function):
+    """The identity forward; the backward scales the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 def perturb(net: torch.nn.Module, change: str) -> torch.nn.Module:
-    """A change to one side's computation, made by hooks registered before msprobe's own (so msprobe records what
-    they make), the model itself untouched; ``change`` is ``KIND:NAME*FACTOR`` or ``bf16``:
+    """A change to one side's computation, made before msprobe hooks the model (so that msprobe records what it
+    makes), the weights untouched; ``change`` is ``KIND:NAME*FACTOR``:
 
-    - ``output:MODULE*F``: the module's forward output scaled by F (a forward hook);
+    - ``output:MODULE*F``: the module computes its output scaled by F (its forward wrapped: msprobe's forward hook
+      runs before any other, msprobe/pytorch/dump/module_dump/module_processor.py ``move_to_end(last=False)``);
     - ``grad:PARAMETER*F``: the parameter's gradient scaled by F (a tensor hook, before accumulation: the weight,
       the forward and every activation gradient stay as they are);
-    - ``grad_input:MODULE*F``: the gradient the module's backward passes on scaled by F (a full backward hook);
-    - ``bf16``: the whole model in bfloat16."""
-    if change == "bf16":
-        return net.to(torch.bfloat16)
+    - ``grad_input:MODULE*F``: the gradient the module's backward passes on to its input scaled by F (its forward
+      wrapped to take its input through :class:`ScaledGradient`, inside the module msprobe hooks)."""
     kind, _, target = change.partition(":")
     name, _, factor = target.partition("*")
     scale = float(factor)
     if kind == "output":
-        net.get_submodule(name).register_forward_hook(lambda module, args, output: output * scale)
+        module = net.get_submodule(name)
+        forward = module.forward
+        module.forward = lambda *args, **kwargs: forward(*args, **kwargs) * scale
     elif kind == "grad":
         net.get_parameter(name).register_hook(lambda grad: grad * scale)
     elif kind == "grad_input":
-        net.get_submodule(name).register_full_backward_hook(
-            lambda module, grad_input, grad_output: tuple(None if g is None else g * scale for g in grad_input))
+        module = net.get_submodule(name)
+        forward = module.forward
+        module.forward = lambda x, *args, **kwargs: forward(ScaledGradient.apply(x, scale), *args, **kwargs)
     else:
         raise ValueError(f"unknown change {change!r}")
     return net
