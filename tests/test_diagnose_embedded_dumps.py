@@ -186,15 +186,15 @@ def test_a_tp2_ep2_dump_given_with_a_one_card_config_is_refused_naming_what_does
     assert "no weight, activation or gradient differs" in text
     assert "has no dump record (crossalign_dump.json): which run wrote it, and with which config, could not be " \
            "checked" in text
-    # with the records the trainers wrote, the record itself says the layout
-    _refused(one_card, clean.npu, clean.gpu, tmp_path / "recorded", f"--gpu-dump {clean.gpu / 'step0'}: its record "
-             "says it was dumped in the layout parallel.megatron", f"which the config does not state: pass {settings}")
+    # with the records the trainers wrote: the same refusal, and the record's layout is the one the options state
+    _refused(one_card, clean.npu, clean.gpu, tmp_path / "recorded", "the Megatron dump does not fit", settings)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("megatron, expected", [
-    # the expert tensor size unset: Megatron takes the tensor size, 2; the dump's experts are whole (ETP 1)
-    ({"tensor": 2, "expert": 2, "sequence_parallel": True, "cards_per_node": 2},
+    # the expert tensor size unset: Megatron takes the tensor size, 2 (on 4 cards: ETP 2 x EP 2); the dump's experts
+    # are whole (ETP 1)
+    ({"tensor": 2, "expert": 2, "sequence_parallel": True, "cards_per_node": 4},
      ["rank0 decoder.layers.0.mlp.experts.linear_fc1.weight0 is [64, 64] of the model's [64, 64]: ETP 1",
       "Pass --set parallel.megatron.expert_tensor=1"]),
     # no expert parallelism: each rank would hold all 4 routed experts
@@ -202,7 +202,8 @@ def test_a_tp2_ep2_dump_given_with_a_one_card_config_is_refused_naming_what_does
      ["rank0 holds 2 routed experts in decoder.layers.0; the layout gives it 4", "Pass --set parallel.megatron.expert=2"]),
 ])
 def test_a_dump_whose_expert_layout_the_config_does_not_state_is_refused(clean, tmp_path, megatron, expected):
-    config = _config_file(clean.config, tmp_path / "config.yaml", megatron)
+    batch = {"global_batch_size": megatron["cards_per_node"] // megatron["tensor"]}  # a micro batch per replica
+    config = _config_file(clean.config, tmp_path / "config.yaml", megatron, training=batch)
     npu, gpu = _without_records(clean.npu, tmp_path / "npu"), _without_records(clean.gpu, tmp_path / "gpu")
     _refused(config, npu, gpu, tmp_path / "out", "the Megatron dump does not fit the config's layout", *expected)
 
@@ -214,7 +215,7 @@ def test_a_dense_dump_given_with_the_moe_config_is_refused_as_different_models(c
                     f"--npu-dump {dense.npu / 'step0'} is not a dump of the config's model qwen35_moe_tiny (MoE, 4 "
                     "experts, 4 layers, hidden 64): rank0 holds parameters the model does not have:",
                     f"--gpu-dump {dense.gpu / 'step0'} is not a dump of the config's model qwen35_moe_tiny",
-                    "decoder.layers.0.mlp.linear_fc1.weight [384, 64]", ": different models")
+                    "decoder.layers.0.mlp.linear_fc1.weight [192, 64]", ": different models")
     assert "likely" not in text and "conversion" not in text  # no diagnosis of a pair that is not one
 
 
@@ -263,6 +264,19 @@ def test_rank_folders_and_sides_from_different_runs_are_refused(clean, tmp_path)
         _rewrite_record(other / "step0" / rank / RECORD_FILE, run_id="another-run")
     _refused(config, clean.npu, other, tmp_path / "out", f"was written by run 'qwen35_moe_tiny-11' and --gpu-dump "
              f"{other / 'step0'} by run 'another-run': compare the two sides of one run")
+
+
+@pytest.mark.slow
+def test_records_of_a_layout_the_config_does_not_state_are_refused(clean, tmp_path):
+    """What the shards cannot show, the records do: the run's two ranks were dumped from a run on 2 x 2 cards."""
+    config = _config_file(clean.config, tmp_path / "config.yaml")
+    wider = Path(shutil.copytree(clean.gpu, tmp_path / "wider"))
+    for rank in ("rank0", "rank1"):
+        layout = json.loads((wider / "step0" / rank / RECORD_FILE).read_text())["layout"]
+        _rewrite_record(wider / "step0" / rank / RECORD_FILE, layout={**layout, "nodes": 2})
+    _refused(config, clean.npu, wider, tmp_path / "out", f"--gpu-dump {wider / 'step0'}: its record says it was "
+             "dumped in the layout parallel.megatron", "which the config does not state: pass --set "
+             "parallel.megatron.nodes=2")
 
 
 @pytest.mark.slow

@@ -9,11 +9,14 @@ conversion fault.
 What a dump says of itself, from the parameters msprobe records with each module's forward (``parameters``) and its
 ``parameters_grad``, rank folder by rank folder:
 
-- the model: every parameter name must be one of the model's (``models.layout.megatron_shapes``, the TransformerEngine
-  names, megatron-core's local-module names mapped to them by ``sides/megatron/te_local.py``;
-  ``mindformers_shapes`` and its buffers on the MindSpore side), and every dimension a layout does not split must be
-  the model's width. A parameter the model does not have (a dense MLP's ``linear_fc1`` given with a MoE config, a
-  fifth layer, a ninth expert) or of another width makes the pair "different models";
+- the model, whatever the layout: every parameter name must be one of the model's, its layer number aside
+  (``models.layout.megatron_shapes``, the TransformerEngine names, and megatron-core's local-module names that
+  ``sides/megatron/te_local.py`` maps to them; ``mindformers_shapes`` and its buffers on the MindSpore side), with no
+  layer or routed expert number beyond the model's; every dimension a layout does not split must be the model's
+  width, and the split ones must split the model's widths alike; and the first rank folder (the first pipeline
+  stage), where it holds the final norm too (the last stage), must hold the model's number of layers. A parameter
+  the model does not have (a dense MLP's ``linear_fc1`` given with a MoE config, a fifth layer, a ninth expert), of
+  another width, or another depth makes the pair "different models";
 - the layout: each rank's parameters must be the shards that the config's layout gives that rank (Megatron:
   ``sides/megatron/sharding.shard_shapes`` at the rank's (tensor, pipeline, expert) coordinates, its layers
   numbered from 0 on each stage and its routed experts locally; MindFormers: its split axis
