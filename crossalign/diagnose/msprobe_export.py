@@ -45,18 +45,19 @@ DATA_MAPPING = "data_mapping.yaml"
 PAIRS_DIR = "msprobe_compare"
 
 
-def _pairs(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping):
-    """(MindSpore entry, Megatron entry) of every paired module call, forward, backward and parameters_grad, each
-    call of a module called several times paired as the comparison pairs it (``msprobe_match.pair_calls``)."""
+def _pairs(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping, ranks: tuple[int, int]):
+    """(MindSpore entry, Megatron entry) of every paired module call held by the rank pair ``ranks`` (npu rank, gpu
+    rank), forward, backward and parameters_grad, each call of a module called several times paired as the
+    comparison pairs it (``msprobe_match.pair_calls``)."""
     index = {(e.name, e.direction, e.index): e for e in gpu.entries.values() if e.is_module}
     calls = pair_calls(npu, gpu, mapping)
     for entry in npu.entries.values():
-        if not entry.is_module:
+        if not entry.is_module or ranks[0] not in entry.raw_keys:
             continue
         mg_name = mapping.megatron_name(entry.name)
         call = calls.get((entry.name, entry.direction, entry.index), entry.index)
         other = index.get((mg_name, entry.direction, call)) if mg_name is not None else None
-        if other is not None:
+        if other is not None and ranks[1] in other.raw_keys:
             yield entry, other
 
 
@@ -105,23 +106,20 @@ def compare_names(dump: RankDump) -> dict[str, str]:
     return names
 
 
-def data_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping, plan,
-                 ranks: tuple[int, int] | None = None, bench_names: dict[str, str] | None = None) -> dict[str, str]:
-    """NPU tensor name -> bench tensor name for msprobe's ``-dm``, on the rank pair ``ranks`` (npu rank, gpu rank;
-    None: the first rank of each side that holds the call); ``plan``: the conversion rules; ``bench_names``: the
-    bench rank's :func:`compare_names`."""
+def data_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping, plan, ranks: tuple[int, int],
+                 bench_names: dict[str, str]) -> dict[str, str]:
+    """NPU tensor name -> bench tensor name for msprobe's ``-dm``, on the rank pair ``ranks`` (npu rank, gpu rank);
+    ``plan``: the conversion rules; ``bench_names``: the bench rank's :func:`compare_names`."""
     renamed = renamed_parameters(plan)
     pre_norm = pre_norm_modules(mapping)
+    n, b = ranks
     result: dict[str, str] = {}
-    for ms, mg in _pairs(npu, gpu, mapping):
-        n, b = ranks if ranks is not None else (min(ms.raw_keys, default=0), min(mg.raw_keys, default=0))
-        if ms.raw_keys and mg.raw_keys and (n not in ms.raw_keys or b not in mg.raw_keys):
-            continue
-        ms_key, mg_key = ms.raw_keys.get(n, ms.raw_key), mg.raw_keys.get(b, mg.raw_key)
-        mg_key = (bench_names or {}).get(mg_key, mg_key)
+    for ms, mg in _pairs(npu, gpu, mapping, ranks):
+        ms_key = ms.raw_keys[n]
+        mg_key = bench_names.get(mg.raw_keys[b], mg.raw_keys[b])
 
         def alike(ms_record: WholeRecord, mg_record: WholeRecord) -> bool:
-            return not ms.raw_keys or _held_alike(ms, ms_record, n, mg, mg_record, b)
+            return _held_alike(ms, ms_record, n, mg, mg_record, b)
 
         reordered = ms.name in mapping.output_permutations
         before_norm = mg.name in pre_norm
@@ -153,19 +151,16 @@ def _local_name(raw_key: str) -> str:
 
 
 def layer_mapping(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping,
-                  ranks: tuple[int, int] | None = None) -> dict[str, dict[str, str]]:
+                  ranks: tuple[int, int]) -> dict[str, dict[str, str]]:
     """``{MindSpore class: {child cell: PyTorch child}}`` for msprobe's ``-lm``, where the names differ, on the rank
-    pair ``ranks`` (None: the first rank of each side that holds each call), under the names the ranks use
-    (their stage's layers numbered from 0). A child that would map to two names is left out."""
+    pair ``ranks`` (npu rank, gpu rank), under the names the ranks use (their stage's layers numbered from 0). A
+    child that would map to two names is left out."""
     classes: dict[str, str] = {}
     pairs: dict[str, str] = {}
-    for ms, mg in _pairs(npu, gpu, mapping):
-        n, b = ranks if ranks is not None else (min(ms.raw_keys, default=0), min(mg.raw_keys, default=0))
-        if ms.raw_keys and mg.raw_keys and (n not in ms.raw_keys or b not in mg.raw_keys):
-            continue
-        ms_local = _local_name(ms.raw_keys.get(n, ms.raw_key))
+    for ms, mg in _pairs(npu, gpu, mapping, ranks):
+        ms_local = _local_name(ms.raw_keys[ranks[0]])
         classes[ms_local] = ms.cls
-        pairs[ms_local] = _local_name(mg.raw_keys.get(b, mg.raw_key))
+        pairs[ms_local] = _local_name(mg.raw_keys[ranks[1]])
     result: dict[str, dict[str, str]] = {}
     clashes: set[tuple[str, str]] = set()
     for ms_name, mg_name in pairs.items():
@@ -204,8 +199,7 @@ def rank_pairs(npu_step: StepDump, gpu_step: StepDump, npu: WholeDump, gpu: Whol
     npu_ranks, gpu_ranks = sorted(npu_step.ranks), sorted(gpu_step.ranks)
     if len(npu_ranks) == len(gpu_ranks):
         return list(zip(npu_ranks, gpu_ranks))
-    shared = {(n, b) for ms, mg in _pairs(npu, gpu, mapping) for n in ms.raw_keys for b in mg.raw_keys}
-    return sorted(shared)
+    return [(n, b) for n in npu_ranks for b in gpu_ranks if next(_pairs(npu, gpu, mapping, (n, b)), None)]
 
 
 @dataclass

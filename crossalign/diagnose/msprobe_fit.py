@@ -244,38 +244,39 @@ class Layout:
         return text + (f" on {self.cards} card{'s' if self.cards != 1 else ''}" if self.cards else "")
 
 
-def expected_shards(names: SideModel, layout, rank: int) -> dict[str, tuple[int, ...]]:
-    """The parameters the config's layout gives ``rank``, named as on the rank (its stage's layers from 0, its
-    routed experts numbered locally on the Megatron side), with their shapes."""
+def expected_shards(names: SideModel, layout) -> dict[tuple[int, int, int], dict[str, tuple[int, ...]]]:
+    """The parameters the config's layout gives each (tensor rank, stage, expert rank), named as on that rank (its
+    stage's layers from 0, its routed experts numbered locally on the Megatron side), with their shapes."""
     model = names.model
     cut = SideLayout.of(layout)
-    tp_rank, stage, _ = cut.coordinates(rank)
-    _, ep_rank, _ = cut.expert_coordinates(rank)
-    found = {}
+    found: dict[tuple[int, int, int], dict[str, tuple[int, ...]]] = {}
     if names.side == "megatron":
         for key, shape in names.whole.items():
             for coordinates, local, local_shape in shard_shapes(key, shape, model, cut.tensor, cut.pipeline,
                                                                 cut.expert, layout.expert_tensor_size):
-                if coordinates == (tp_rank, stage, ep_rank):
-                    found[local] = local_shape
+                found.setdefault(coordinates, {})[local] = local_shape
         return found
     per_stage = model.num_layers // cut.pipeline
     for key, shape in names.whole.items():
         match = _LAYER.match(key)
-        if match:
-            if int(match.group(2)) // per_stage != stage:
-                continue
-            key = _global_name(key, -stage * per_stage)
-        elif key.startswith("embedding.") and stage != 0 or not key.startswith("embedding.") and \
-                stage != cut.pipeline - 1:
-            continue
+        stage = int(match.group(2)) // per_stage if match else 0 if key.startswith("embedding.") else cut.pipeline - 1
         local = list(shape)
         if _MS_EXPERTS.search(key):
             local[0] //= cut.expert
         elif (dim := mindformers_split_dim(key, shape)) is not None:
             local[dim] //= cut.tensor
-        found[key] = tuple(local)
+        for tensor_rank in range(cut.tensor):
+            for expert_rank in range(cut.expert):
+                found.setdefault((tensor_rank, stage, expert_rank), {})[
+                    _global_name(key, -stage * per_stage)] = tuple(local)
     return found
+
+
+def _coordinates(layout, rank: int) -> tuple[int, int, int]:
+    """(tensor rank, pipeline stage, expert rank) of a global rank in ``layout``."""
+    cut = SideLayout.of(layout)
+    tensor_rank, stage, _ = cut.coordinates(rank)
+    return tensor_rank, stage, cut.expert_coordinates(rank)[1]
 
 
 def _ranges(numbers: set[int]) -> str:
@@ -294,13 +295,12 @@ def _experts_per_layer(shapes: dict[str, tuple[int, ...]]) -> Counter:
     return counts
 
 
-def layout_problems(params: RankParameters, names: SideModel, layout) -> list[str]:
-    """Where one rank's parameters are not the shards the config's layout gives it: other shapes, parameters of
-    other ranks (layers of another stage, experts of another expert rank), fewer layers or experts."""
-    cut = SideLayout.of(layout)
-    offset = cut.coordinates(params.rank)[1] * (names.model.num_layers // cut.pipeline)
+def layout_problems(params: RankParameters, names: SideModel, layout, expected: dict[str, tuple[int, ...]]
+                    ) -> list[str]:
+    """Where one rank's parameters are not the shards the config's layout gives it (``expected``): other shapes,
+    parameters of other ranks (layers of another stage, experts of another expert rank), fewer layers or experts."""
+    offset = _coordinates(layout, params.rank)[1] * (names.model.num_layers // layout.pipeline)
     held = {names.te_name(name, offset): shape for name, shape in params.shapes.items()}
-    expected = expected_shards(names, layout, params.rank)
     problems = []
     shapes = [f"{name} {_shape(shape)} (the layout's shard: {_shape(expected[name])})"
               for name, shape in held.items() if name in expected and expected[name] != shape]
@@ -426,8 +426,10 @@ def check_side(step: StepDump, config: AlignmentConfig, side: str) -> list[str]:
     if beyond:
         misfits.append(f"{', '.join(beyond)} {'is not a rank' if len(beyond) == 1 else 'are not ranks'} of the "
                        f"config's layout ({layout.world_size} card{'s' if layout.world_size > 1 else ''})")
+    shards = expected_shards(names, layout)
     misfits += [problem for params in ranks if params.rank < layout.world_size
-                for problem in layout_problems(params, names, layout)]
+                for problem in layout_problems(params, names, layout,
+                                               shards.get(_coordinates(layout, params.rank), {}))]
     if not misfits:
         return []
     implied, evidence = implied_layout(ranks, names)

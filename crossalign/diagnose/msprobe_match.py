@@ -449,10 +449,10 @@ def _evidence(top: Row, module: str, rows: list[Row], plan, npu: WholeDump, gpu:
     if kind in (BACKWARD, GRADIENT):
         forward = sum(r.status == "ok" for r in rows if r.section == "forward")
         backward = sum(r.status == "ok" for r in rows if r.section == "backward")
-        agreed = f"the {len(weights)} weights compared agree" if weights else "no weight was compared"
-        why = (f"the conversion is ruled out: {agreed}, and so do the {forward} forward outputs"
-               + (f" and {backward} backward gradients" if kind == GRADIENT else "")
-               + " computed with them")
+        computed = f"{forward} forward outputs" + (f" and {backward} backward gradients" if kind == GRADIENT else "")
+        why = (f"the conversion is ruled out: the {len(weights)} weights compared agree, and so do the {computed} "
+               f"computed with them" if weights else
+               f"the conversion is ruled out: the {computed} computed with the converted weights agree")
         return Evidence(kind, weights_agree=True, parallel=parallel), why
     # every weight the conversion writes into the module, each held side by side exactly and agreeing
     own = [key for placed in plan for key in placed.target_keys if key.startswith(module + ".")]
