@@ -240,8 +240,8 @@ KNOWN_CAUSES: tuple[KnownCause, ...] = (
         where=r"\.self_attention(\.(in_proj|conv1d|out_norm|out_proj))?$",
         cause="the GatedDeltaNet backward kernel differs while its forward agrees (fla's gated chunk backward "
               "returns wrong db/dg on Hopper with Triton in [3.4.0, 3.7.1) for some fla versions)",
-        check="crossalign preflight's GPU check of the fla and Triton versions; the kernels against megatron-core's "
-              "torch rule",
+        check="the megatron-train step's kernel probe (its manifest: every GatedDeltaNet kernel against "
+              "megatron-core's torch rule, forward and backward) and scripts/gpu_check.sh (the fla and Triton versions)",
         layer_kind="gdn",
         evidence=(BACKWARD,),
         conversion=False,
