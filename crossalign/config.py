@@ -12,6 +12,8 @@ are not divisible into 5 query groups``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -29,6 +31,12 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def digest(self) -> str:
+        """sha256 of this section as JSON, keys sorted (a whole config's is the digest the run store takes of the
+        config run.json holds)."""
+        text = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 class ModelConfig(_Strict):
@@ -483,9 +491,18 @@ def load_config(name_or_path: str | Path, overrides: Sequence[str] = ()) -> Alig
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with 'model' and 'training' sections")
+    return _validated(raw, str(path), overrides)
+
+
+def with_overrides(config: AlignmentConfig, overrides: Sequence[str], origin: str) -> AlignmentConfig:
+    """``config`` with ``--set`` style overrides applied, validated again (``origin``: where it came from)."""
+    return _validated(config.model_dump(mode="json"), origin, overrides) if overrides else config
+
+
+def _validated(raw: dict, origin: str, overrides: Sequence[str]) -> AlignmentConfig:
     _apply_overrides(raw, overrides)
     try:
         return AlignmentConfig.model_validate(raw)
     except ValidationError as exc:
-        origin = f"{path} with --set {' '.join(overrides)}" if overrides else str(path)
-        raise ConfigError(_format_validation_error(origin, exc)) from None
+        where = f"{origin} with --set {' '.join(overrides)}" if overrides else origin
+        raise ConfigError(_format_validation_error(where, exc)) from None

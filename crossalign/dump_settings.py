@@ -84,17 +84,68 @@ class DumpStepError(ValueError):
     """A dump step the training never reaches."""
 
 
-def write_msprobe_config(settings: DumpSettings, output_dir: Path, iterations: int) -> Path:
+# ---- which run wrote a dump ---------------------------------------------------------------------------------
+
+RECORD_FILE = "crossalign_dump.json"  # in each rank folder msprobe wrote, beside its dump.json
+RECORD_TEMPLATE = "msprobe_record.json"  # beside CONFIG_FILE: the record less the rank, which each rank adds
+RECORD_ENV = "CROSSALIGN_MSPROBE_RECORD"  # tells a real launch where RECORD_TEMPLATE is
+
+
+class DumpRecord(BaseModel):
+    """What a rank folder of a dump says of the training that wrote it (``crossalign_dump.json``): ``crossalign
+    diagnose`` holds both sides' records against each other and each side's ranks against one another."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str | None = Field(description="the run the training step belongs to; null outside a run store")
+    step: int = Field(ge=0, description="the dumped iteration, as msprobe counts it (its step{N} folder)")
+    config_digest: str = Field(description="sha256 of the run's config (AlignmentConfig.digest)")
+    model_digest: str = Field(description="sha256 of its model section, what both sides must share")
+    side: Literal["megatron", "mindformers"]
+    layout: dict = Field(description="the side's parallel section of the config (parallel.megatron or "
+                         "parallel.mindformers)")
+    rank: int | None = Field(default=None, ge=0, description="the global rank that wrote the folder; null in the "
+                             "template the step writes beside msprobe's config.json")
+
+    @classmethod
+    def of(cls, config, side: Literal["megatron", "mindformers"], run_id: str | None, step: int) -> "DumpRecord":
+        """The record of a training of ``config`` (an ``AlignmentConfig``) on ``side`` dumping ``step``."""
+        layout = config.parallel.megatron if side == "megatron" else config.parallel.mindformers
+        return cls(run_id=run_id, step=step, config_digest=config.digest(), model_digest=config.model.digest(),
+                   side=side, layout=layout.model_dump(mode="json"))
+
+
+def write_rank_record(config_path: Path, rank: int) -> Path | None:
+    """After an iteration under msprobe's debugger made from ``config_path`` (:data:`CONFIG_FILE`): the record of
+    ``rank`` (:data:`RECORD_TEMPLATE` beside it, with the rank) in its rank folder of the dump step, once msprobe
+    has written that folder's dump.json; None before, or where msprobe dumps other ranks. The real launches do
+    the same in their own code (``patches/megatron/pretrain_qwen35.py``, ``patches/mindformers/msprobe_dump.yaml``)."""
+    config_path = Path(config_path)
+    record = DumpRecord.model_validate_json((config_path.parent / RECORD_TEMPLATE).read_text())
+    dump_root = Path(json.loads(config_path.read_text())["dump_path"])
+    folder = dump_root / f"step{record.step}" / f"rank{rank}"
+    if not (folder / "dump.json").is_file():
+        return None
+    path = folder / RECORD_FILE
+    path.write_text(record.model_copy(update={"rank": rank}).model_dump_json(indent=1) + "\n")
+    return path
+
+
+def write_msprobe_config(settings: DumpSettings, output_dir: Path, iterations: int, record: DumpRecord) -> Path:
     """msprobe's ``config.json`` of a training step of ``iterations`` iterations, in ``output_dir`` (as
     :data:`CONFIG_FILE`), dumping into ``output_dir``/:data:`DUMP_DIR` (absolute: the training runs in its own
-    working directory)."""
+    working directory), and beside it the dump record that each rank completes in its rank folder
+    (:data:`RECORD_TEMPLATE`)."""
     if settings.step >= iterations:
         raise DumpStepError(f"diagnose.dump.step: {settings.step} is not reached by a training of {iterations} "
                             f"iterations (msprobe counts them from 0: steps 0 to {iterations - 1})")
+    if record.step != settings.step:
+        raise ValueError(f"the dump record is of step {record.step}, the dump of step {settings.step}")
     output_dir = Path(output_dir).absolute()
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / CONFIG_FILE
     path.write_text(json.dumps(settings.msprobe_config(output_dir / DUMP_DIR), indent=2) + "\n")
+    (output_dir / RECORD_TEMPLATE).write_text(record.model_dump_json(indent=1) + "\n")
     return path
 
 

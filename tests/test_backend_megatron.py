@@ -333,13 +333,18 @@ def test_dataset_helpers_that_do_not_build_are_named_before_a_run(tmp_path: Path
 def test_a_dump_writes_msprobes_config_and_the_launcher_is_told_where_it_is(tmp_path: Path, checkout: Path):
     """With a dump asked (diagnose.dump, rerun --dump) the step writes msprobe's config.json and exports its path for
     the launcher (patches/megatron/pretrain_qwen35.py dump_each_iteration); without one, neither."""
-    from crossalign.dump_settings import CONFIG_FILE, DumpSettings
+    from crossalign.dump_settings import CONFIG_FILE, RECORD_TEMPLATE, DumpRecord, DumpSettings
 
     request = request_for(tmp_path, [])
     request.dump = DumpSettings(step=2, task="tensor", ranks=(0,))
+    request.run_id = "r-7"
     script = MegatronBackend(site=site_for(checkout)).write_launch(request).read_text()
     config_path = request.output_dir.absolute() / CONFIG_FILE
     assert f"export CROSSALIGN_MSPROBE_CONFIG={config_path}" in script
+    # the record of the run each dumping rank writes beside msprobe's files (the launcher's write_rank_record)
+    template = request.output_dir.absolute() / RECORD_TEMPLATE
+    assert f"export CROSSALIGN_MSPROBE_RECORD={template}" in script
+    assert DumpRecord.model_validate_json(template.read_text()) == DumpRecord.of(request.config, "megatron", "r-7", 2)
     assert "cannot import msprobe.pytorch" in script  # checked with the framework's Python before training
     config = json.loads(config_path.read_text())
     assert (config["task"], config["step"], config["rank"]) == ("tensor", [2], [0])

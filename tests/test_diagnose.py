@@ -196,6 +196,33 @@ def test_a_fault_of_the_rank_files_is_a_cause_only_where_the_layout_can_have_it(
     assert {"in_proj_split_as_one_block", "in_proj_wrong_order"} <= faults(in_proj, None)  # dumps of a run
 
 
+def test_a_cause_is_offered_only_where_the_evidence_shows_it():
+    """A conversion cause needs a weight that differs or a forward that diverges first where the module's weights
+    were not proven equal; gradient-side causes need the backward or one gradient alone."""
+    from crossalign.diagnose.causes import BACKWARD, FORWARD, GRADIENT, WEIGHT, Evidence
+
+    model = load_config("qwen35_moe_tiny").model
+    shared = "decoder.layers.0.mlp.shared_experts.linear_fc1"
+
+    def causes(where, evidence):
+        return explain(where, model, None, evidence)
+
+    assert any("shared_fc1_not_deinterleaved" in c.faults for c in causes(shared, Evidence(WEIGHT)))
+    assert any("shared_fc1_not_deinterleaved" in c.faults for c in causes(shared, Evidence(FORWARD)))
+    assert not [c for c in causes(shared, Evidence(FORWARD, weights_agree=True)) if c.conversion]
+    gradient = causes(shared + ".weight", Evidence(GRADIENT, weights_agree=True, parallel=True))
+    assert gradient and not [c for c in gradient if c.conversion or c.faults]
+    assert all(c.needs == "only a weight gradient diverges" for c in gradient)
+    norm = "decoder.layers.1.pre_mlp_layernorm.weight"
+    assert any("all-reduced" in c.cause for c in causes(norm, Evidence(GRADIENT, True, parallel=True)))
+    assert not any("all-reduced" in c.cause for c in causes(norm, Evidence(GRADIENT, True, parallel=False)))
+    backward = causes("decoder.layers.0.self_attention", Evidence(BACKWARD, True))
+    assert any("GatedDeltaNet backward kernel" in c.cause for c in backward)
+    assert not [c for c in backward if c.conversion]
+    assert any("loss differs" in c.cause for c in causes("output_layer", Evidence(BACKWARD, True)))
+    assert causes("output_layer", Evidence(WEIGHT))[0].needs == "a weight differs or the forward diverges first"
+
+
 # ---- localisation of each fault ------------------------------------------------------------------------
 
 

@@ -64,6 +64,13 @@ EXPECTED = {
     ("qwen35_moe_tiny", "experts_not_renumbered@1,1,2"): (None, "decoder.layers.0.mlp.experts"),
 }
 CONFIGS = ("qwen35_dense_tiny", "qwen35_moe_tiny")
+# changes of the PyTorch side's computation, by hooks (tests/helpers/msprobe_pairs.py perturb), the weights as they are
+SCALED_OUTPUT = "clean|output:decoder.layers.1.self_attention.out_proj*1.01"  # one module's output x 1.01
+SCALED_GRADIENT = "clean|grad:decoder.layers.0.mlp.shared_experts.linear_fc1.weight*1.01"  # one weight's gradient
+SCALED_NORM_GRADIENT = "clean|grad:decoder.layers.1.pre_mlp_layernorm.weight*0.5"  # a replicated weight's
+SCALED_BACKWARD = "clean|grad_input:decoder.layers.2.mlp.linear_fc2*1.01"  # the gradient one module passes on
+CHANGED = [("qwen35_moe_tiny", SCALED_OUTPUT), ("qwen35_moe_tiny", SCALED_GRADIENT),
+           ("qwen35_moe_tiny", SCALED_NORM_GRADIENT), ("qwen35_dense_tiny", SCALED_BACKWARD)]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +78,7 @@ def dumps(tmp_path_factory):
     """config -> {'mindspore': dump, 'statistics': clean PyTorch statistics dump, spec: PyTorch tensor dump}, from
     three processes (msprobe's debugger is one per process, each dumping one model per step)."""
     root = tmp_path_factory.mktemp("msprobe_pairs")
-    items = [(name, "clean") for name in CONFIGS] + sorted(EXPECTED)
+    items = [(name, "clean") for name in CONFIGS] + sorted(EXPECTED) + CHANGED
     pytorch = run_dumps("pytorch", items, root / "pytorch", "tensor")
     mindspore = run_dumps("mindspore", [(name, "clean") for name in CONFIGS], root / "mindspore", "tensor")
     statistics = run_dumps("pytorch", [("qwen35_dense_tiny", "clean")], root / "statistics", "statistics")
@@ -288,7 +295,10 @@ def test_bad_dumps_are_refused_naming_the_file(dumps, tmp_path):
     two_ranks["parallel"]["megatron"].update(tensor=2, sequence_parallel=True, cards_per_node=2)
     config = tmp_path / "tp2.yaml"
     config.write_text(yaml.safe_dump(two_ranks))
-    refused(ms, pt, "megatron layout TP 2 x PP 1 x EP 1 (DP 1) needs rank folders rank1", model=config)
+    refused(ms, pt, "the Megatron dump does not fit the config's layout parallel.megatron (TP 2 x PP 1 + SP (DP 1) "
+                    "on 1 x 2 cards). It implies TP 1 x PP 1 on 1 card", model=config)
+    refused(ms, pt, "Pass --set parallel.megatron.tensor=1 --set parallel.megatron.sequence_parallel=false",
+            model=config)
 
 
 @pytest.mark.slow
@@ -312,3 +322,76 @@ def test_cli_diagnose_takes_the_dumps_a_run_collected(dumps, tmp_path):
     summary = json.loads((run.path / "diagnose" / "msprobe_summary.json").read_text())
     assert summary["first_divergence"]["megatron"] == "decoder.layers.0.mlp.linear_fc1.weight"
     assert (run.path / "diagnose" / "data_mapping.yaml").is_file()
+
+
+# ---- thresholds from the dumps' dtypes, and causes that fit the evidence ---------------------------------------
+
+
+def _cli(dumps, name, spec, out, *options):
+    result = CliRunner().invoke(app, ["diagnose", "--model", name, "--npu-dump", str(dumps[name]["mindspore"]),
+                                      "--gpu-dump", str(dumps[name][spec]), "--out", str(out), *options])
+    assert result.exit_code in (0, 1), result.output
+    return result, json.loads((out / "msprobe_summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_fp32_dumps_with_one_output_scaled_by_1_01_name_that_module_under_precision_auto(dumps, tmp_path):
+    """Both dumps record float32 only: --precision auto holds them to fp32's thresholds and names the module whose
+    output was scaled; bf16's, looser, pass it (what auto took for every msprobe dump before)."""
+    result, summary = _cli(dumps, "qwen35_moe_tiny", SCALED_OUTPUT, tmp_path / "auto")
+    assert result.exit_code == 1, result.output
+    assert summary["thresholds"]["precision"] == "fp32"
+    assert "both sides ran in fp32" in summary["thresholds"]["why"] and "float32 only" in summary["thresholds"]["why"]
+    assert "thresholds: fp32 (--precision auto: both sides ran in fp32" in " ".join(result.output.split())
+    first = summary["first_divergence"]
+    assert first["section"] == "forward" and first["input"] == "ok", first
+    assert _module_of_key(first["megatron"]) == "decoder.layers.1.self_attention.out_proj"
+    assert first["norm ratio"] == pytest.approx(1.01, rel=1e-4) and first["Cosine"] > 0.99999  # a scale, not noise
+    # the module's weight agrees element by element: no conversion cause is offered for it
+    assert summary["evidence"] == "forward"
+    assert "the conversion is ruled out at decoder.layers.1.self_attention.out_proj" in summary["conversion_ruled_out"]
+    assert summary["causes"] == []
+    _, loose = _cli(dumps, "qwen35_moe_tiny", SCALED_OUTPUT, tmp_path / "bf16", "--precision", "bf16")
+    assert loose["diverged"] is False and loose["thresholds"]["why"].startswith("--precision bf16 (asked")
+
+
+@pytest.mark.slow
+def test_a_gradient_only_divergence_names_gradient_causes_and_rules_the_conversion_out(dumps, tmp_path):
+    """One weight's gradient scaled while the weights, the forward and the backward activations agree: the causes
+    are the gradient's, and no conversion cause (not the shared-expert fc1 de-interleave) is offered."""
+    diagnosis = _diagnose(dumps, "qwen35_moe_tiny", SCALED_GRADIENT, tmp_path / "out").diagnosis
+    first = diagnosis.first_divergence
+    assert (first.section, first.megatron) == ("weight gradients", "decoder.layers.0.mlp.shared_experts.linear_fc1.weight")
+    assert diagnosis.first["forward"] is None and diagnosis.first["backward"] is None
+    assert first.metrics["norm ratio"] == pytest.approx(1.01, rel=1e-4)
+    assert diagnosis.evidence.kind == "gradient"
+    assert not [cause for cause in diagnosis.causes if cause.conversion or cause.faults]
+    assert [cause.needs for cause in diagnosis.causes] == ["only a weight gradient diverges"]
+    hint = diagnosis.hint()
+    assert "the conversion is ruled out" in hint and "weights compared agree" in hint and "de-interleaved" not in hint
+    assert "one gradient scaled on one side" in hint
+
+
+@pytest.mark.slow
+def test_a_missing_all_reduce_is_a_cause_only_where_a_side_splits_the_model(dumps, tmp_path):
+    """A norm's gradient halved: at TP 1 on both sides no all-reduce over tensor ranks exists to miss."""
+    diagnosis = _diagnose(dumps, "qwen35_moe_tiny", SCALED_NORM_GRADIENT, tmp_path / "out").diagnosis
+    first = diagnosis.first_divergence
+    assert first.section == "weight gradients" and first.megatron.startswith("decoder.layers.1.")
+    assert diagnosis.evidence.kind == "gradient" and diagnosis.evidence.parallel is False
+    assert not any("all-reduced" in cause.cause for cause in diagnosis.causes)
+    from crossalign.diagnose.causes import Evidence, explain
+
+    split = explain(first.megatron, load_config("qwen35_moe_tiny").model, None, Evidence("gradient", True, True))
+    assert any("all-reduced" in cause.cause for cause in split)
+
+
+@pytest.mark.slow
+def test_a_backward_only_divergence_offers_no_conversion_cause(dumps, tmp_path):
+    diagnosis = _diagnose(dumps, "qwen35_dense_tiny", SCALED_BACKWARD, tmp_path / "out").diagnosis
+    first = diagnosis.first_divergence
+    assert first.section == "backward" and _module_of_key(first.megatron) == "decoder.layers.2.mlp.linear_fc2", \
+        diagnosis.hint()
+    assert diagnosis.first["forward"] is None and diagnosis.evidence.kind == "backward"
+    assert diagnosis.causes and not [cause for cause in diagnosis.causes if cause.conversion]
+    assert "the conversion is ruled out" in diagnosis.hint()

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from crossalign.diagnose.msprobe_dump import read_dump
-from crossalign.dump_settings import DumpSettings, DumpStepError, write_msprobe_config
+from crossalign.config import load_config
+from crossalign.dump_settings import RECORD_FILE, DumpRecord, DumpSettings, DumpStepError, write_msprobe_config
 from crossalign.sides.mindformers.checkpoint import read_mindformers_checkpoint
 from tests.helpers.embedded_msprobe_dumps import embedded_dump_pair
 
@@ -37,6 +38,15 @@ def test_a_moe_run_dumps_mindspore_at_tp1_and_megatron_core_at_tp2_ep2(tmp_path)
     assert max(shard.stats["Max"] for shard in shards) == pytest.approx(expected.max(), rel=1e-6)
     assert math.hypot(*(shard.stats["Norm"] for shard in shards)) == pytest.approx(np.linalg.norm(expected), rel=1e-5)
 
+    # each rank folder holds the record of the run beside msprobe's files, with its own rank and its side's layout
+    for dump, side, section in ((npu, "mindformers", pair.config.parallel.mindformers),
+                                (gpu, "megatron", pair.config.parallel.megatron)):
+        for rank, folder in dump.ranks.items():
+            record = DumpRecord.model_validate_json((folder.path / RECORD_FILE).read_text())
+            assert (record.run_id, record.step, record.side, record.rank) == ("qwen35_moe_tiny-11", 0, side, rank)
+            assert record.layout == section.model_dump(mode="json")
+            assert record == DumpRecord.of(pair.config, side, "qwen35_moe_tiny-11", 0).model_copy(update={"rank": rank})
+
     # forward and backward of the routed experts on every expert rank, and of the MindSpore cells
     for rank in gpu.ranks.values():
         experts = {entry.direction for entry in rank.entries.values() if entry.name.endswith("mlp.experts")}
@@ -45,8 +55,9 @@ def test_a_moe_run_dumps_mindspore_at_tp1_and_megatron_core_at_tp2_ep2(tmp_path)
 
 
 def test_a_dump_step_the_training_never_reaches_is_refused_before_it_starts(tmp_path):
+    record = DumpRecord.of(load_config("qwen35_dense_tiny"), "megatron", "r1", 3)
     with pytest.raises(DumpStepError, match=r"diagnose.dump.step: 3 .* 3 iterations"):
-        write_msprobe_config(DumpSettings(step=3), tmp_path, iterations=3)
+        write_msprobe_config(DumpSettings(step=3), tmp_path, iterations=3, record=record)
     assert not list(tmp_path.iterdir())
 
 

@@ -245,6 +245,10 @@ def test_the_readme_commands_on_a_finished_run_run_as_written(embedded):
         assert {"msprobe_config.json", "msprobe_dump/step0/rank0/dump.json"} <= outputs
         dump = read_dump(run.step_dir(step) / "msprobe_dump")
         assert (dump.framework, dump.step, sorted(dump.ranks)) == (framework, 0, [0])
+        record = json.loads((dump.ranks[0].path / "crossalign_dump.json").read_text())  # which run wrote the dump
+        side = "megatron" if framework == "pytorch" else "mindformers"
+        assert (record["run_id"], record["step"], record["side"], record["rank"]) == ("k1", 0, side, 0)
+        assert record["config_digest"] == run.config.digest()
     entries = read_dump(run.step_dir("megatron-train") / "msprobe_dump").ranks[0].entries
     assert any(key.startswith("Module.0.module.decoder.layers.0.") for key in entries)
     assert run.manifest("pynative-train")["pid"] != before["pid"], "redone by the second rerun"

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from crossalign.diagnose.msprobe_dump import read_dump
-from crossalign.dump_settings import CONFIG_FILE, DumpSettings, write_msprobe_config
+from crossalign.config import load_config
+from crossalign.dump_settings import (CONFIG_FILE, RECORD_FILE, RECORD_TEMPLATE, DumpRecord, DumpSettings,
+                                         write_msprobe_config)
 from crossalign.patching import apply_patch, check_patch, load_patch
 from crossalign.sides.mindformers.backend import MindFormersBackend
 from helpers.mindformers_backend import FIXTURES, request_for, site_for
@@ -75,6 +77,7 @@ def test_the_backend_asks_for_the_dump_only_when_the_step_dumps(tmp_path):
     MindFormersBackend(site=site_for(checkout)).train(request)
     script = (request.output_dir / "run_mindformers.sh").read_text()
     assert f"export CROSSALIGN_MSPROBE_CONFIG={request.output_dir.absolute() / CONFIG_FILE}" in script
+    assert f"export CROSSALIGN_MSPROBE_RECORD={request.output_dir.absolute() / RECORD_TEMPLATE}" in script
     assert "cannot import msprobe.mindspore" in script  # checked with the framework's Python before training
     config = json.loads((request.output_dir / CONFIG_FILE).read_text())
     assert (config["step"], config["level"], config["statistics"]["summary_mode"]) == ([1], "mix", "md5")
@@ -92,11 +95,12 @@ def test_the_patched_trainer_dumps_the_configured_step_of_mindformers_own_module
     version = "2.1.0"
     tree = unpacked(version)
     trainer = patched_trainer(version, tmp_path / "patched")
-    config = write_msprobe_config(DumpSettings(step=1), tmp_path / "step", iterations=2)
+    record = DumpRecord.of(load_config("qwen35_dense_tiny"), "mindformers", "r-3", 1)
+    config = write_msprobe_config(DumpSettings(step=1), tmp_path / "step", iterations=2, record=record)
     job, result = tmp_path / "job.json", tmp_path / "result.json"
     job.write_text(json.dumps({"trainer": str(trainer), "yaml": generated(tmp_path, "qwen35_dense_tiny"),
-                               "config": str(config), "steps": 2, "result": str(result),
-                               "log": str(tmp_path / "convert.log")}))
+                               "config": str(config), "record": str(config.parent / RECORD_TEMPLATE), "steps": 2,
+                               "result": str(result), "log": str(tmp_path / "convert.log")}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(STUB), str(REPO)]),
            "LOG_MF_PATH": str(tmp_path / "mf_log"), "GLOG_v": "3"}
     done = subprocess.run([sys.executable, str(DRIVER), str(job)], cwd=tmp_path, env=env, capture_output=True,
@@ -112,6 +116,9 @@ def test_the_patched_trainer_dumps_the_configured_step_of_mindformers_own_module
             "Cell.linear_fc1.Linear.backward.0"} <= set(entries)
     weight = entries["Cell.linear_fc1.Linear.forward.0"].parameters["weight"]
     assert weight.stats["Norm"] == pytest.approx(json.loads(result.read_text())["fc1_norm"], rel=1e-5)
+    # beside msprobe's files (its proc{pid} folder: no communication group), the patch's record of the run
+    assert DumpRecord.model_validate_json((rank.path / RECORD_FILE).read_text()) == record.model_copy(
+        update={"rank": 0})
 
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")

@@ -232,7 +232,16 @@ def test_the_dump_enabled_launch_runs_through_rehearse_and_msprobe_compares_it_w
                           timeout=900, env={**os.environ, "CROSSALIGN_SITE": str(site)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     dump = tmp_path / "rehearsal" / "gpu" / "msprobe_dump"
-    assert f"gpu: msprobe dumped iteration 1 (L0, statistics): rank0 in {dump} (3 files)" in done.stdout
+    assert f"gpu: msprobe dumped iteration 1 (L0, statistics): rank0 in {dump} (4 files)" in done.stdout
+    # msprobe's three files and the launcher's record of the run, of rank 0 of the run's own Megatron layout
+    from crossalign.dump_settings import RECORD_FILE, DumpRecord
+
+    record = DumpRecord.model_validate_json((dump / "step1" / "rank0" / RECORD_FILE).read_text())
+    assert (record.step, record.side, record.rank) == (1, "megatron", 0)
+    assert record.layout == run.config.parallel.megatron.model_dump(mode="json")
+    embedded_record = DumpRecord.model_validate_json(
+        (run.step_dir("megatron-train") / "msprobe_dump" / "step1" / "rank0" / RECORD_FILE).read_text())
+    assert embedded_record.run_id == run.run_id and embedded_record.config_digest == record.config_digest
     compared = subprocess.run([str(Path(sys.executable).with_name("msprobe")), "compare", "-tp", str(dump / "step1"),
                                "-gp", str(run.step_dir("megatron-train") / "msprobe_dump" / "step1"),
                                "-o", str(tmp_path / "compare")], capture_output=True, text=True, timeout=300)

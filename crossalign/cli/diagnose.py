@@ -48,9 +48,9 @@ def _run_has_msprobe_dumps(run_dir: Path) -> bool:
 
 def _diagnose_msprobe(model: Optional[str], run_dir: Optional[Path], npu_dump: Optional[Path],
                       gpu_dump: Optional[Path], step: Optional[int], out: Optional[Path], precision: str,
-                      rows: Optional[int]) -> None:
+                      rows: Optional[int], overrides: list[str]) -> None:
     """``diagnose --npu-dump --gpu-dump``: the two real runs' msprobe dumps held side by side."""
-    from crossalign.config import ConfigError, load_config
+    from crossalign.config import ConfigError, load_config, with_overrides
     from crossalign.diagnose.mapping import MappingError
     from crossalign.diagnose.msprobe_dump import MsprobeDumpError
     from crossalign.diagnose.msprobe_report import print_msprobe_diagnosis
@@ -59,12 +59,13 @@ def _diagnose_msprobe(model: Optional[str], run_dir: Optional[Path], npu_dump: O
     from crossalign.store import RunStore, StoreError
 
     with user_errors(ConfigError, MsprobeDumpError, MappingError, SideError, StoreError, OSError):
-        config = load_config(model) if model is not None else None
+        config = load_config(model, overrides) if model is not None else None
         if run_dir is not None:
             run_dir = Path(run_dir).expanduser().absolute()
             run_npu, run_gpu = run_dump_folders(run_dir)
             npu_dump, gpu_dump = npu_dump or run_npu, gpu_dump or run_gpu
-            config = config or RunStore(run_dir.parent).run(run_dir.name).config
+            config = config or with_overrides(RunStore(run_dir.parent).run(run_dir.name).config, overrides,
+                                              f"the config of run {run_dir.name}")
             out = out or run_dir / DIAGNOSE_DIR
         if precision not in ("auto", "fp32", "bf16"):
             raise SideError(f"--precision {precision!r}: expected auto, fp32 or bf16")
@@ -73,8 +74,7 @@ def _diagnose_msprobe(model: Optional[str], run_dir: Optional[Path], npu_dump: O
         if config is None:
             raise SideError("--model is required with --npu-dump/--gpu-dump (the layouts and conversion rules)")
         with console.status("reading, merging and comparing the msprobe dumps"):
-            result = diagnose_msprobe(npu_dump, gpu_dump, config, out or Path(DIAGNOSE_DIR),
-                                      "bf16" if precision == "auto" else precision, step)
+            result = diagnose_msprobe(npu_dump, gpu_dump, config, out or Path(DIAGNOSE_DIR), precision, step)
     print_msprobe_diagnosis(result, console, limit=rows)
     if result.diagnosis.diverged:
         raise typer.Exit(1)
@@ -104,7 +104,8 @@ def diagnose_command(
                                                  "with --mindspore-dump."),
     precision: str = typer.Option("auto", "--precision", help="Divergence thresholds for existing dumps: fp32 (our "
                                   "CPU models) or bf16 (real runs); auto: fp32 for --mindspore-dump/--megatron-dump, "
-                                  "bf16 for msprobe dumps."),
+                                  "and for msprobe dumps from the dtypes they recorded (fp32 where both sides ran in "
+                                  "fp32, else the looser side's, bf16's)."),
     seq: Optional[int] = typer.Option(None, "--seq", help="Tokens per sample (default: training.seq_length)."),
     batch: Optional[int] = typer.Option(None, "--batch", help="Samples (default: training.micro_batch_size)."),
     data: Optional[Path] = typer.Option(None, "--data", help="Indexed dataset prefix (or its folder): use its first "
@@ -121,6 +122,8 @@ def diagnose_command(
                                             "in the config."),
     dump_step: Optional[int] = typer.Option(None, "--step", help="The dumped iteration to compare when the msprobe "
                                             "dumps hold several."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a config value for the msprobe dumps, e.g. "
+                                        "parallel.megatron.tensor=2 (the layout a refused dump implies)."),
 ) -> None:
     """Dump every module's output on both sides for the same batch, compare them module by module in forward
     order, write the table as CSV and HTML, and name the first diverging module with its likely cause.
@@ -129,7 +132,9 @@ def diagnose_command(
 
     With --npu-dump/--gpu-dump (or --run of a run whose train steps dumped with msprobe) it compares the two
     real runs' msprobe dumps instead: weights through the conversion rules, forward, backward and weight gradients,
-    with msprobe's metrics, and writes msprobe's own layer_mapping.yaml and data_mapping.yaml beside the report.
+    with msprobe's metrics, and writes msprobe's own layer_mapping.yaml and data_mapping.yaml beside the report, for
+    every pair of rank folders msprobe's compare takes. The dumps are first held against the config: a rank folder
+    or shard that does not fit its side's layout, or a model other than the config's, is refused (exit 2).
 
     Exit status 0 when no module diverges and the checkpoint loads strictly, 1 otherwise, 2 for unusable input.
     """
@@ -140,8 +145,10 @@ def diagnose_command(
         with user_errors(SiteError, StoreError):
             run_dir = located_run(str(run_dir), None).path
     if npu_dump is not None or gpu_dump is not None or (run_dir is not None and _run_has_msprobe_dumps(run_dir)):
-        _diagnose_msprobe(model, run_dir, npu_dump, gpu_dump, dump_step, out, precision, rows)
+        _diagnose_msprobe(model, run_dir, npu_dump, gpu_dump, dump_step, out, precision, rows, overrides)
         return
+    if overrides:
+        raise typer.BadParameter("--set applies to msprobe dumps (--npu-dump/--gpu-dump)", param_hint="--set")
     from crossalign.tensorio.errors import CheckpointError
     from crossalign.config import ConfigError, load_config
     from crossalign.diagnose.dump import DumpError

@@ -1,8 +1,16 @@
-"""Known causes of a first divergence, by the module where it shows (the pitfalls of SPEC sections 3 and 9).
+"""Known causes of a first divergence, by the module where it shows and the evidence the comparison holds (the
+pitfalls of SPEC sections 3 and 9).
 
-Each entry says where a broken conversion first shows in a layer-by-layer comparison, why,
-and which fault of ``crossalign.checkpoint.faults`` reproduces it (``FAULTS``, and ``LAYOUT_FAULTS`` for the
+Each entry says where a fault first shows in a layer-by-layer comparison, why, what to check, which evidence it
+needs, and which fault of ``crossalign.checkpoint.faults`` reproduces it (``FAULTS``, and ``LAYOUT_FAULTS`` for the
 faults only a sharded checkpoint can have), so that the tests can prove every hint against the fault it names.
+
+The evidence (:class:`Evidence`) is where the comparison first parts: a weight differs, the forward diverges first,
+only the backward diverges (every weight and forward output agrees), or only a weight gradient does (weights,
+forward and backward activations agree). A cause is offered only where the evidence shows it: a conversion fault
+changes a weight, so it shows at the weight or, where the weight could not be held side by side, in the forward;
+where the module's weights were compared exactly and agree, or where only gradients differ, the conversion is ruled
+out and the gradient-side causes (gradient or loss scaling, a missing all-reduce, a hook, a backward kernel) remain.
 """
 
 from __future__ import annotations
@@ -12,10 +20,30 @@ from dataclasses import dataclass
 
 from crossalign.config import ModelConfig
 
+WEIGHT, FORWARD, BACKWARD, GRADIENT = "weight", "forward", "backward", "gradient"
+EVIDENCE = {WEIGHT: "a weight differs", FORWARD: "the forward diverges first",
+            BACKWARD: "only the backward diverges", GRADIENT: "only a weight gradient diverges"}
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the comparison shows at its first divergence.
+
+    ``kind``: WEIGHT, FORWARD, BACKWARD or GRADIENT; ``weights_agree``: every weight of the module was held side by
+    side exactly (tensor or md5) and agrees, which rules the conversion out; ``parallel``: whether a side splits
+    the model over tensor or expert ranks (None: not known)."""
+
+    kind: str = FORWARD
+    weights_agree: bool = False
+    parallel: bool | None = None
+
 
 @dataclass(frozen=True)
 class KnownCause:
-    """A pitfall: the Megatron module names where it first shows (regex), the cause, and what to check."""
+    """A pitfall: the Megatron module names where it first shows (regex), the cause, what to check, and the
+    evidence it needs (``evidence``: kinds of :data:`EVIDENCE`); ``conversion``: a fault of the checkpoint
+    conversion, which changes a weight. For the gradient kinds, ``where`` is matched against the parameter's full
+    name (a gradient belongs to one parameter)."""
 
     where: str
     cause: str
@@ -24,9 +52,24 @@ class KnownCause:
     layer_kind: str | None = None  # "attention" / "gdn": only for layers of that kind
     ffn: str | None = None  # "dense" / "moe": only for models with that FFN
     parallel: int | None = None  # 0 tensor / 2 expert: a fault of the rank files, only when that size > 1
+    evidence: tuple[str, ...] = (WEIGHT, FORWARD)
+    conversion: bool = True
+    needs_parallel: bool = False  # only where a side splits the model over tensor or expert ranks
 
-    def matches(self, module: str, model: ModelConfig, layout: tuple[int, int, int] | None = None) -> bool:
+    @property
+    def needs(self) -> str:
+        """The evidence it needs, in words."""
+        return " or ".join(EVIDENCE[kind] for kind in self.evidence)
+
+    def matches(self, module: str, model: ModelConfig, layout: tuple[int, int, int] | None = None,
+                evidence: Evidence = Evidence()) -> bool:
         """``layout``: the (tp, pp, ep) of the Megatron checkpoint compared; None when not known (dumps of a run)."""
+        if evidence.kind not in self.evidence:
+            return False
+        if self.conversion and evidence.weights_agree:
+            return False
+        if self.needs_parallel and evidence.parallel is False:
+            return False
         if not re.search(self.where, module):
             return False
         if self.ffn is not None and self.ffn != model.kind:
@@ -108,9 +151,18 @@ KNOWN_CAUSES: tuple[KnownCause, ...] = (
     ),
     KnownCause(
         where=r"\.mlp\.router$",
-        cause="router weights differ, or the routing differs: norm_topk_prob false on one side (expert weights "
-              "off by ~2x), score function or top-k",
-        check="mlp.router.weight copied as is; norm_topk_prob true on the MindSpore side",
+        cause="router weights differ: the router weight must be copied as is",
+        check="mlp.router.weight copied as is",
+    ),
+    KnownCause(
+        where=r"\.mlp(\.router|\.experts)?$",
+        cause="the routing differs with the same weights: norm_topk_prob false on one side (expert weights off by "
+              "~2x), the score function, top-k or the router's dtype",
+        check="norm_topk_prob true on the MindSpore side; moe_router_score_function, moe_router_topk, "
+              "moe_router_dtype",
+        ffn="moe",
+        evidence=(FORWARD,),
+        conversion=False,
     ),
     KnownCause(
         where=r"\.self_attention\.in_proj$",
@@ -152,10 +204,61 @@ KNOWN_CAUSES: tuple[KnownCause, ...] = (
         cause="output layer differs: untied embedding and output weights must both be converted",
         check="output_layer.weight copied; --untie-embeddings-and-output-weights",
     ),
+    # Gradient-side causes: the forward agrees, so the weights it ran with are the same.
+    KnownCause(
+        where=r"(^|\.)(input_layernorm|pre_mlp_layernorm|final_layernorm|q_layernorm|k_layernorm|out_norm|enorm|"
+              r"hnorm|router)\.weight$|\.layer_norm_weight$|\.gate_weight$",
+        cause="a replicated parameter's gradient not all-reduced over the ranks that hold it: with sequence "
+              "parallelism each tensor rank's gradient of a norm, the router or the shared-expert gate covers its "
+              "part of the sequence until Megatron's finalize_model_grads sums them over the tensor ranks, and a "
+              "parameter the expert ranks share is summed over its data-parallel group; on one side it was not",
+        check="the ratio of the two gradients (about 1/TP of the other where a sum over TP ranks is missing); "
+              "the all-reduce of sequence-parallel parameters' gradients on each side",
+        evidence=(GRADIENT,),
+        conversion=False,
+        needs_parallel=True,
+    ),
+    KnownCause(
+        where=r".",
+        cause="one gradient scaled on one side: a gradient hook or a per-parameter scale (clipping applied before "
+              "the dump, a grad scaler, a parameter excluded from the loss scale's unscaling)",
+        check="the two gradients' ratio (a constant factor is a scale) and the hooks registered on that parameter",
+        evidence=(GRADIENT,),
+        conversion=False,
+    ),
+    KnownCause(
+        where=r"^output_layer$|(^|\.)final_layernorm$|^mtp\.",
+        cause="the loss differs while the forward agrees: a loss scale not undone, the loss averaged over other "
+              "tokens or micro batches (per-token loss, gradient accumulation), or the MTP or auxiliary loss "
+              "coefficient",
+        check="the ratio of the incoming gradients at the output layer; calculate_per_token_loss, "
+              "mtp_loss_scaling_factor, moe_aux_loss_coeff on both sides",
+        evidence=(BACKWARD,),
+        conversion=False,
+    ),
+    KnownCause(
+        where=r"\.self_attention(\.(in_proj|conv1d|out_norm|out_proj))?$",
+        cause="the GatedDeltaNet backward kernel differs while its forward agrees (fla's gated chunk backward "
+              "returns wrong db/dg on Hopper with Triton in [3.4.0, 3.7.1) for some fla versions)",
+        check="the megatron-train step's kernel probe (its manifest: every GatedDeltaNet kernel against "
+              "megatron-core's torch rule, forward and backward) and scripts/gpu_check.sh (the fla and Triton versions)",
+        layer_kind="gdn",
+        evidence=(BACKWARD,),
+        conversion=False,
+    ),
+    KnownCause(
+        where=r".",
+        cause="a backward hook or a custom backward on one side changes the gradient of this module",
+        check="the hooks registered on the module (full backward hooks) and its autograd function",
+        evidence=(BACKWARD,),
+        conversion=False,
+    ),
 )
 
 
-def explain(module: str, model: ModelConfig, layout: tuple[int, int, int] | None = None) -> list[KnownCause]:
-    """The known causes for a first divergence at the Megatron module ``module`` of a checkpoint in ``layout``
-    (tp, pp, ep; None: not known), most specific first."""
-    return [cause for cause in KNOWN_CAUSES if cause.matches(module, model, layout)]
+def explain(module: str, model: ModelConfig, layout: tuple[int, int, int] | None = None,
+            evidence: Evidence = Evidence()) -> list[KnownCause]:
+    """The known causes for a first divergence at the Megatron module ``module`` (the parameter's full name for a
+    gradient) of a checkpoint in ``layout`` (tp, pp, ep; None: not known) that fit ``evidence``, most specific
+    first."""
+    return [cause for cause in KNOWN_CAUSES if cause.matches(module, model, layout, evidence)]

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 FRAMEWORKS = ("pytorch", "mindspore")
+OPTIONS = {"mindspore": "--npu-dump", "pytorch": "--gpu-dump"}  # the diagnose option that takes each one's dump
+SIDE_NAMES = {"mindspore": "MindFormers", "pytorch": "Megatron"}  # the side a dump of each framework is of
 DIRECTIONS = ("forward", "backward", "parameters_grad")
 STATS = ("Max", "Min", "Mean", "Norm")
 

@@ -29,11 +29,12 @@ import torch
 
 from crossalign.checkpoint.rules import ZeroCentre, conversion_plan
 from crossalign.config import ModelConfig
-from crossalign.diagnose.causes import KnownCause, explain
+from crossalign.diagnose.causes import BACKWARD, EVIDENCE, FORWARD, GRADIENT, WEIGHT, Evidence, KnownCause, explain
 from crossalign.diagnose.compare import Thresholds
 from crossalign.diagnose.mapping import FUSED_NORM_PARAMETER, ModuleMapping
 from crossalign.diagnose.msprobe_dump import MsprobeDumpError
 from crossalign.diagnose.msprobe_metrics import TensorMetrics, md5_result, statistics_warning, tensor_metrics
+from crossalign.diagnose.msprobe_precision import PrecisionChoice
 from crossalign.diagnose.msprobe_shards import WholeDump, WholeEntry, WholeRecord, combine_statistics
 from crossalign.sides.megatron.te_local import local_to_te_names
 
@@ -73,7 +74,13 @@ class MsprobeDiagnosis:
     notes: list[str]
     mode: str
     step: int
-    thresholds: Thresholds
+    precision: PrecisionChoice
+    evidence: Evidence | None = None  # what the first divergence shows (None: nothing diverges)
+    ruled_out: str = ""  # why the conversion is ruled out, where the evidence rules it out
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return self.precision.thresholds
 
     @property
     def first_divergence(self) -> Row | None:
@@ -88,12 +95,19 @@ class MsprobeDiagnosis:
         if row is None:
             return "no weight, activation or gradient differs"
         where = f"first divergence ({row.section}) at {row.megatron} (MindSpore {row.mindspore})"
-        cosine = row.metrics.get("Cosine")
+        cosine, ratio = row.metrics.get("Cosine"), row.metrics.get("norm ratio")
         if cosine is not None:
             where += f", Cosine {cosine:.6f}"
+        if ratio is not None:
+            where += f", norm ratio {ratio:.6f} (Megatron / MindSpore)"
+        if self.evidence is not None:
+            where += f"; evidence: {EVIDENCE[self.evidence.kind]}"
+        if self.ruled_out:
+            where += f"; {self.ruled_out}"
         if not self.causes:
-            return where + "; no known cause matches this module"
-        return "\n".join([where + "; likely:"] + [f"- {c.cause} (check: {c.check})" for c in self.causes])
+            return where + "; no known cause fits this evidence at this module"
+        return "\n".join([where + "; likely:"] + [f"- {c.cause} (needs: {c.needs}; check: {c.check})"
+                                                   for c in self.causes])
 
 
 # ---- comparing one pair of records ---------------------------------------------------------------------------
@@ -124,13 +138,20 @@ def compare_arrays(a: np.ndarray, b: np.ndarray, thresholds: Thresholds) -> tupl
     """(status, metrics, msprobe verdict, shape) of two arrays (MindSpore first)."""
     if a.shape != b.shape:
         squeezed = np.squeeze(a), np.squeeze(b)
+        if (min(a.ndim, b.ndim) == 2 and a.ndim != b.ndim and a.size == b.size and a.shape[-1] == b.shape[-1]):
+            # rows of [tokens x heads, dim] against [b, s, heads, dim]: megatron-core's GDN out_norm runs on its
+            # input flattened in order (core_v0.16.1 megatron/core/ssm/gated_delta_net.py:412-416,
+            # _apply_gated_norm: x.reshape(-1, x.shape[-1]))
+            squeezed = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
         if squeezed[0].shape != squeezed[1].shape:
             return "shape differs", {}, "N/A", a.shape
         a, b = squeezed
     metrics = tensor_metrics(a, b)
     verdict = metrics.accuracy_reached
     bad = verdict == "No" or _crossalign_verdict(metrics, a, thresholds)
-    return ("differs" if bad else "ok"), metrics.as_dict(), verdict, a.shape
+    norm_a = float(np.linalg.norm(a))
+    ratio = float(np.linalg.norm(b)) / norm_a if norm_a > 0 else None  # a constant scale keeps the cosine at 1
+    return ("differs" if bad else "ok"), {**metrics.as_dict(), "norm ratio": ratio}, verdict, a.shape
 
 
 def compare_records(ms: WholeRecord, mg: WholeRecord, mode: str, thresholds: Thresholds,
@@ -255,7 +276,7 @@ def _input_norm(entry: WholeEntry) -> float | None:
     return entry.inputs[0].stats.get("Norm") if entry.inputs else None
 
 
-def _pair_calls(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping) -> dict[tuple[str, str, int], int]:
+def pair_calls(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping) -> dict[tuple[str, str, int], int]:
     """(MindSpore module, direction, call) -> the Megatron call of its counterpart that took the same input.
 
     A module called more than once (the embedding and output layer: once for the main model, once per MTP layer)
@@ -341,9 +362,10 @@ def _severity(result: tuple) -> int:
 
 
 def compare_msprobe_dumps(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping, model: ModelConfig,
-                          core_version: str, thresholds: Thresholds) -> MsprobeDiagnosis:
+                          core_version: str, precision: PrecisionChoice) -> MsprobeDiagnosis:
     """The full comparison (see the module text). ``npu``: MindSpore side, ``gpu``: Megatron side; the causes
-    offered are those the Megatron side's layout can have."""
+    offered are those that fit the evidence (``causes.Evidence``) and the Megatron side's layout."""
+    thresholds = precision.thresholds
     if npu.mode != gpu.mode:
         raise MsprobeDumpError(f"{npu.path} holds {npu.mode} and {gpu.path} {gpu.mode}: dump both sides with one "
                                f"task")
@@ -359,7 +381,7 @@ def compare_msprobe_dumps(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping
     mg_index = _module_index(gpu)
     mapping = with_unfused_norms(mapping, gpu)
     pre_norm = pre_norm_modules(mapping)
-    call_pairs = _pair_calls(npu, gpu, mapping)
+    call_pairs = pair_calls(npu, gpu, mapping)
     mapped: dict[tuple[str, str], None] = {}
     unmapped_ms: dict[str, None] = {}
     used_mg: set[str] = set()
@@ -397,14 +419,14 @@ def compare_msprobe_dumps(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping
         first[section] = next((r for r in candidates if r.differs and r.input_status != "differs"), None) \
             or next((r for r in candidates if r.differs), None)
     causes: list[KnownCause] = []
+    evidence, ruled_out = None, ""
     top = next((first[s] for s in SECTIONS if first.get(s) is not None), None)
     if top is not None:
-        module = top.megatron.split(", ")[0]
-        if top.section in ("weights", "weight gradients"):
-            module = module.rpartition(".")[0]
-        else:
-            module = _module_of_key(module)
-        causes = explain(module, model, (gpu.layout.tensor, gpu.layout.pipeline, gpu.layout.expert))
+        name = top.megatron.split(", ")[0]
+        module = name.rpartition(".")[0] if top.section in ("weights", "weight gradients") else _module_of_key(name)
+        evidence, ruled_out = _evidence(top, module, rows, plan, npu, gpu)
+        causes = explain(name if evidence.kind == GRADIENT else module, model,
+                         (gpu.layout.tensor, gpu.layout.pipeline, gpu.layout.expert), evidence)
     if mode == "md5":
         notes.append("md5 dumps tell bit-identical tensors from the rest: two frameworks rarely compute bit-identical "
                      "activations, so the first module that differs is the first one not bit-identical (a tensor "
@@ -413,7 +435,33 @@ def compare_msprobe_dumps(npu: WholeDump, gpu: WholeDump, mapping: ModuleMapping
         notes.append("statistics dumps: a weight re-laid-out in the wrong order keeps its Max/Min/Mean/Norm; such "
                      "faults show in the activations, or at their weight in md5 or tensor dumps")
     return MsprobeDiagnosis(rows, first, causes, list(mapped), sorted(unmapped_ms), unmapped_mg, notes, mode,
-                            npu.step, thresholds)
+                            npu.step, precision, evidence, ruled_out)
+
+
+EXACT = ("tensor", "md5")  # bases that see a weight's every element (statistics miss a permutation)
+
+
+def _evidence(top: Row, module: str, rows: list[Row], plan, npu: WholeDump, gpu: WholeDump) -> tuple[Evidence, str]:
+    """What the first divergence ``top`` (at ``module``) shows, and why the conversion is ruled out where it is."""
+    kind = {"weights": WEIGHT, "forward": FORWARD, "backward": BACKWARD, "weight gradients": GRADIENT}[top.section]
+    parallel = any(side.layout.tensor > 1 or side.layout.expert > 1 for side in (npu, gpu))
+    weights = [r for r in rows if r.section == "weights" and r.status != "not compared"]
+    if kind in (BACKWARD, GRADIENT):
+        forward = sum(r.status == "ok" for r in rows if r.section == "forward")
+        backward = sum(r.status == "ok" for r in rows if r.section == "backward")
+        computed = f"{forward} forward outputs" + (f" and {backward} backward gradients" if kind == GRADIENT else "")
+        why = (f"the conversion is ruled out: the {len(weights)} weights compared agree, and so do the {computed} "
+               f"computed with them" if weights else
+               f"the conversion is ruled out: the {computed} computed with the converted weights agree")
+        return Evidence(kind, weights_agree=True, parallel=parallel), why
+    # every weight the conversion writes into the module, each held side by side exactly and agreeing
+    own = [key for placed in plan for key in placed.target_keys if key.startswith(module + ".")]
+    exact = {label for r in rows if r.section == "weights" and r.status == "ok" and r.basis in EXACT
+             for label in r.megatron.split(", ")}
+    if kind == FORWARD and own and all(key in exact for key in own):
+        return Evidence(kind, weights_agree=True, parallel=parallel), (
+            f"the conversion is ruled out at {module}: its {len(own)} weights agree, compared element by element")
+    return Evidence(kind, parallel=parallel), ""
 
 
 def _module_of_key(key: str) -> str:

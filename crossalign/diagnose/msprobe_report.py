@@ -31,6 +31,7 @@ def print_msprobe_diagnosis(result, console: Console, limit: int | None = None) 
     diagnosis = result.diagnosis
     console.print(f"msprobe dumps, step {diagnosis.step}, {diagnosis.mode}: MindFormers {result.npu.layout}, "
                   f"Megatron {result.gpu.layout}", highlight=False)
+    console.print(f"thresholds: {diagnosis.precision.precision} ({diagnosis.precision.reason})", highlight=False)
     shown: list[Row] = []
     for section in SECTIONS:
         rows = [r for r in diagnosis.rows if r.section == section]
@@ -49,4 +50,7 @@ def print_msprobe_diagnosis(result, console: Console, limit: int | None = None) 
                   f"{len(diagnosis.unmapped_megatron)} Megatron (listed in the summary)", highlight=False)
     for note in diagnosis.notes:
         console.print(f"note: {note}", highlight=False)
+    pairs = result.mappings.pairs
+    console.print(f"msprobe's compare: mapping files for {len(pairs)} rank pair{'s' if len(pairs) != 1 else ''} ("
+                  + ", ".join(f"{npu}-{gpu}" for npu, gpu, _ in pairs) + ")", highlight=False)
     console.print("reports: " + ", ".join(str(p) for p in result.files.values()), highlight=False)

@@ -1,5 +1,12 @@
-"""``crossalign diagnose --npu-dump --gpu-dump``: read both msprobe dumps, check they belong together, merge, compare,
-and write the reports (CSV of every row, summary.json, and msprobe's own mapping files) all at once."""
+"""``crossalign diagnose --npu-dump --gpu-dump``: read both msprobe dumps, check they belong together and fit the
+config, merge, compare, and write the reports (CSV of every row, summary.json, and msprobe's own mapping files for
+every rank pair) all at once.
+
+Before anything is compared: both sides are the same step and task, their dump records say they belong together
+(``msprobe_records``), and each fits the config's model and layout (``msprobe_fit``). A pair that does not is
+refused naming what does not fit, and nothing is written. The thresholds come from the dtypes the dumps recorded
+(``msprobe_precision``) unless ``--precision`` names them.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +19,18 @@ from pathlib import Path
 
 from crossalign.checkpoint.rules import conversion_plan
 from crossalign.config import AlignmentConfig
-from crossalign.diagnose.compare import Thresholds
 from crossalign.diagnose.mapping import module_mapping
-from crossalign.diagnose.msprobe_dump import MsprobeDumpError, StepDump, read_dump
-from crossalign.diagnose.msprobe_export import data_mapping, layer_mapping, write_yaml
+from crossalign.diagnose.msprobe_dump import OPTIONS, SIDE_NAMES, MsprobeDumpError, StepDump, read_dump
+from crossalign.diagnose.msprobe_export import Mappings, write_mappings
+from crossalign.diagnose.msprobe_fit import check_pair
 from crossalign.diagnose.msprobe_match import MsprobeDiagnosis, compare_msprobe_dumps
+from crossalign.diagnose.msprobe_precision import choose_precision
+from crossalign.diagnose.msprobe_records import pair_records, records_against_config
 from crossalign.diagnose.msprobe_shards import SideLayout, WholeDump, merge_side
 from crossalign.store import RunStore, StoreError
 
 CSV_NAME = "msprobe_diagnosis.csv"
 SUMMARY_NAME = "msprobe_summary.json"
-LAYER_MAPPING = "layer_mapping.yaml"
-DATA_MAPPING = "data_mapping.yaml"
-SIDES = {"mindspore": ("--npu-dump", "MindFormers (MindSpore)"), "pytorch": ("--gpu-dump", "Megatron (PyTorch)")}
 
 
 @dataclass
@@ -33,21 +39,32 @@ class MsprobeResult:
     npu: WholeDump
     gpu: WholeDump
     files: dict[str, Path]
+    mappings: Mappings
+
+
+@dataclass
+class LoadedPair:
+    """Both sides as msprobe wrote them (``steps``) and merged by their layouts, with what the checks noted."""
+
+    npu_step: StepDump
+    gpu_step: StepDump
+    npu: WholeDump
+    gpu: WholeDump
+    notes: list[str]
 
 
 def read_side(folder: Path, framework: str, step: int | None) -> StepDump:
     """One side's step dump; a dump of the other framework is an error naming its dump.json."""
     dump = read_dump(Path(folder), step)
     if dump.framework != framework:
-        option, side = SIDES[framework]
         first = next(iter(dump.ranks.values())).path / "dump.json"
-        raise MsprobeDumpError(f"{first}: a {dump.framework} dump given as {option}, which takes the {side} side")
+        raise MsprobeDumpError(f"{first}: a {dump.framework} dump given as {OPTIONS[framework]}, which takes the "
+                               f"{SIDE_NAMES[framework]} ({framework}) side")
     return dump
 
 
-def load_pair(npu_dir: Path, gpu_dir: Path, config: AlignmentConfig,
-              step: int | None = None) -> tuple[WholeDump, WholeDump]:
-    """Both sides read, checked to be the same step and mode, and merged by their layouts."""
+def load_pair(npu_dir: Path, gpu_dir: Path, config: AlignmentConfig, step: int | None = None) -> LoadedPair:
+    """Both sides read, held against each other and the config (see the module), and merged by their layouts."""
     npu, gpu = read_side(npu_dir, "mindspore", step), read_side(gpu_dir, "pytorch", step)
     npu_json = next(iter(npu.ranks.values())).path / "dump.json"
     gpu_json = next(iter(gpu.ranks.values())).path / "dump.json"
@@ -57,32 +74,42 @@ def load_pair(npu_dir: Path, gpu_dir: Path, config: AlignmentConfig,
     if npu.mode != gpu.mode:
         raise MsprobeDumpError(f"{npu_json} holds {npu.mode} and {gpu_json} {gpu.mode}: dump both sides with the "
                                f"same task")
+    records, notes = pair_records(npu, gpu)
+    check_pair(npu, gpu, config)
+    notes += records_against_config(records, {"mindformers": str(npu.path), "megatron": str(gpu.path)}, config)
     model = config.model
-    return (merge_side(npu, SideLayout.of(config.parallel.mindformers), model, "mindspore"),
-            merge_side(gpu, SideLayout.of(config.parallel.megatron), model, "megatron"))
+    return LoadedPair(npu, gpu, merge_side(npu, SideLayout.of(config.parallel.mindformers), model, "mindspore"),
+                      merge_side(gpu, SideLayout.of(config.parallel.megatron), model, "megatron"), notes)
 
 
 def diagnose_msprobe(npu_dir: Path, gpu_dir: Path, config: AlignmentConfig, out_dir: Path,
-                     precision: str = "bf16", step: int | None = None) -> MsprobeResult:
-    """Compare the two dumps and write the reports into ``out_dir`` (written only when everything was read)."""
-    npu, gpu = load_pair(npu_dir, gpu_dir, config, step)
+                     precision: str = "auto", step: int | None = None) -> MsprobeResult:
+    """Compare the two dumps and write the reports into ``out_dir`` (written only when everything was read);
+    ``precision``: auto (from the dumps' dtypes), fp32 or bf16."""
+    pair = load_pair(npu_dir, gpu_dir, config, step)
+    npu, gpu = pair.npu, pair.gpu
     core_version = config.training.megatron_core_version
     mapping = module_mapping(config.model, core_version)
-    diagnosis = compare_msprobe_dumps(npu, gpu, mapping, config.model, core_version,
-                                      Thresholds.for_precision(precision))
+    chosen = choose_precision(pair.npu_step, pair.gpu_step, precision)
+    diagnosis = compare_msprobe_dumps(npu, gpu, mapping, config.model, core_version, chosen)
+    diagnosis.notes[:0] = pair.notes
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".msprobe-diagnose-", dir=out_dir.parent) as tmp:
         staging = Path(tmp)
         _write_csv(diagnosis, staging / CSV_NAME)
-        (staging / SUMMARY_NAME).write_text(json.dumps(summary(diagnosis, npu, gpu), indent=1))
-        write_yaml(staging / LAYER_MAPPING, layer_mapping(npu, gpu, mapping))
-        write_yaml(staging / DATA_MAPPING, data_mapping(npu, gpu, mapping, conversion_plan(config.model, core_version)))
+        mappings = write_mappings(staging, pair.npu_step, pair.gpu_step, npu, gpu, mapping,
+                                  conversion_plan(config.model, core_version))
+        (staging / SUMMARY_NAME).write_text(json.dumps(summary(diagnosis, npu, gpu, mappings), indent=1))
         out_dir.mkdir(parents=True, exist_ok=True)
         files = {}
-        for name in (CSV_NAME, SUMMARY_NAME, LAYER_MAPPING, DATA_MAPPING):
-            files[name] = Path(shutil.move(str(staging / name), out_dir / name))
-    return MsprobeResult(diagnosis, npu, gpu, files)
+        for name in [CSV_NAME, SUMMARY_NAME, *mappings.files]:
+            target = out_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            files[name] = Path(shutil.move(str(staging / name), target))
+    return MsprobeResult(diagnosis, npu, gpu, files, mappings)
 
 
 def _row_dict(row) -> dict:
@@ -91,17 +118,22 @@ def _row_dict(row) -> dict:
             "input": row.input_status, "msprobe": row.msprobe, **row.metrics, "note": row.note}
 
 
-def summary(diagnosis: MsprobeDiagnosis, npu: WholeDump, gpu: WholeDump) -> dict:
+def summary(diagnosis: MsprobeDiagnosis, npu: WholeDump, gpu: WholeDump, mappings) -> dict:
     first = diagnosis.first_divergence
     return {
         "diverged": diagnosis.diverged,
         "step": diagnosis.step,
         "mode": diagnosis.mode,
+        "thresholds": diagnosis.precision.as_dict(),
         "first_divergence": None if first is None else _row_dict(first),
         "first_by_section": {s: (None if r is None else _row_dict(r)) for s, r in diagnosis.first.items()},
-        "causes": [{"cause": c.cause, "check": c.check, "faults": list(c.faults)} for c in diagnosis.causes],
+        "evidence": None if diagnosis.evidence is None else diagnosis.evidence.kind,
+        "conversion_ruled_out": diagnosis.ruled_out or None,
+        "causes": [{"cause": c.cause, "check": c.check, "needs": c.needs, "faults": list(c.faults)}
+                   for c in diagnosis.causes],
         "hint": diagnosis.hint(),
         "layouts": {"mindformers": str(npu.layout), "megatron": str(gpu.layout)},
+        "msprobe_compare": mappings.as_dict(),
         "mapped": [list(pair) for pair in diagnosis.mapped],
         "unmapped_mindspore": diagnosis.unmapped_mindspore,
         "unmapped_megatron": diagnosis.unmapped_megatron,

@@ -179,7 +179,9 @@ class WholeEntry:
     inputs: list[WholeRecord] = field(default_factory=list)
     outputs: list[WholeRecord] = field(default_factory=list)
     parameters: dict[str, WholeRecord] = field(default_factory=dict)
-    raw_key: str = ""  # the key as msprobe wrote it on the first rank (msprobe's own compare names tensors by it)
+    raw_keys: dict[int, str] = field(default_factory=dict)  # rank -> the key msprobe wrote there (msprobe's own
+    # compare names tensors by it)
+    shards: dict[int, int] = field(default_factory=dict)  # rank -> the index of its part in a split record
 
     @property
     def is_module(self) -> bool:
@@ -305,10 +307,11 @@ def merge_side(step: StepDump, layout: SideLayout, model: ModelConfig, side: str
     merged: dict[str, WholeEntry] = {}
     for key, by_rank in grouped.items():
         entry, name = next(iter(by_rank.values()))
-        whole = WholeEntry(key, entry.kind, name, entry.cls, entry.direction, entry.index, raw_key=entry.key)
         expert = bool(_EXPERTS.search(name))
         # shard index of each rank holding this entry: its (expert) tensor rank; expert ranks renumber the experts
         shard = {r: (layout.expert_coordinates(r)[0] if expert else layout.coordinates(r)[0]) for r in by_rank}
+        whole = WholeEntry(key, entry.kind, name, entry.cls, entry.direction, entry.index,
+                           raw_keys={r: e.key for r, (e, _) in by_rank.items()}, shards=shard)
         ranks = sorted(by_rank, key=lambda r: shard[r])
         if expert and layout.expert > 1 and entry.direction != "parameters_grad" and len(
                 {layout.expert_coordinates(r)[1] for r in by_rank}) > 1:

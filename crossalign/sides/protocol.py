@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Protocol
 from crossalign.config import AlignmentConfig, TrainingConfig
 from crossalign.data.files import DatasetFiles
 from crossalign.data.settings import SampleOrderSettings
-from crossalign.dump_settings import DumpSettings
+from crossalign.dump_settings import DumpRecord, DumpSettings, write_msprobe_config
 from crossalign.sides.readings import Reading
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ class TrainRequest:
     extra: dict[str, object] = field(default_factory=dict)
     published_dir: Path | None = None  # where output_dir ends up once the step commits (paths in logs name it)
     dump: DumpSettings | None = None  # msprobe dumps this iteration into output_dir/msprobe_dump (DUMP_DIR)
+    run_id: str | None = None  # the run the step belongs to, for the dump's record (None outside a run store)
 
     @property
     def iterations(self) -> int:
@@ -53,6 +54,14 @@ class TrainRequest:
     def named_output_dir(self) -> Path:
         """The output folder as logs and scripts should name it: where it ends up, not where it is staged."""
         return self.published_dir or self.output_dir
+
+    def write_dump_config(self) -> Path:
+        """msprobe's ``config.json`` of this request's dump and, beside it, the record of the run each dumping rank
+        writes into its rank folder (``dump_settings.write_msprobe_config``); returns the config's path."""
+        if self.dump is None:
+            raise ValueError("write_dump_config: this request asks for no dump")
+        record = DumpRecord.of(self.config, self.side, self.run_id, self.dump.step)
+        return write_msprobe_config(self.dump, self.output_dir, self.iterations, record)
 
     @property
     def log_path(self) -> Path:

@@ -48,7 +48,8 @@ def train(run: Run, spec: StepSpec, site: SiteConfig, on_step: StepCallback | No
         request = TrainRequest(config=run.config, side=spec.side, mode="base" if base else "align", data=run.dataset,
                                output_dir=out.dir,
                                init_checkpoint=None if base else run.step_dir(spec.inputs[0]) / "checkpoint",
-                               save=base, on_step=on_step, published_dir=out.final_dir, dump=dump)
+                               save=base, on_step=on_step, published_dir=out.final_dir, dump=dump,
+                               run_id=run.run_id)
         try:
             environment = checked_gpu_environment(backend, run.config)
             result = backend.train(request)

@@ -37,7 +37,8 @@ the launcher also writes a digest of every tensor the model holds right after pr
 the checkpoint (:func:`write_load_digest`), which the step compares with the checkpoint it gave. With
 ``CROSSALIGN_MSPROBE_CONFIG`` set (msprobe's config.json, written by the step when a dump is asked), every
 iteration runs under msprobe's ``PrecisionDebugger`` (:func:`dump_each_iteration`), which needs mindstudio-probe
-in the framework's Python.
+in the framework's Python; with ``CROSSALIGN_MSPROBE_RECORD`` set too, each dumping rank writes the record of the
+run beside msprobe's files.
 
 Usage:
     torchrun --nproc_per_node N /path/to/pretrain_qwen35.py <pretrain_gpt.py arguments>
@@ -290,9 +291,28 @@ def digest_after_load(training_module, folder: str) -> None:
 # ---- the msprobe dump ------------------------------------------------------------------------------
 
 DUMP_ENV = "CROSSALIGN_MSPROBE_CONFIG"
+RECORD_ENV = "CROSSALIGN_MSPROBE_RECORD"  # the record of the run, less the rank (crossalign/dump_settings.py)
+RECORD_FILE = "crossalign_dump.json"
 
 
-def dump_each_iteration(training_module, config_path: str) -> None:
+def write_rank_record(config_path: str, template_path: str | None, rank: int) -> None:
+    """The record of the run (the step's template with this rank) into this rank's folder of the dump step, once
+    msprobe has written its dump.json there; as ``crossalign/dump_settings.py`` ``write_rank_record`` does."""
+    import json
+
+    if not template_path:
+        return
+    with open(template_path) as handle:
+        record = json.load(handle)
+    with open(config_path) as handle:
+        dump_path = json.load(handle)["dump_path"]
+    folder = os.path.join(dump_path, f"step{record['step']}", f"rank{rank}")
+    if os.path.isfile(os.path.join(folder, "dump.json")):
+        with open(os.path.join(folder, RECORD_FILE), "w") as handle:
+            json.dump({**record, "rank": rank}, handle, indent=1)
+
+
+def dump_each_iteration(training_module, config_path: str, template_path: str | None = None) -> None:
     """Make pretrain()'s training loop run each iteration under msprobe's ``PrecisionDebugger`` (mindstudio-probe).
 
     msprobe's way for a training loop: ``debugger.start(model)`` before the iteration, ``debugger.stop()`` and
@@ -302,8 +322,10 @@ def dump_each_iteration(training_module, config_path: str) -> None:
     (core_v0.16.1 megatron/training/training.py:1603, called at 2795), ``model`` being the list of model
     chunks: wrapped here, so msprobe hooks the chunks Megatron trains (module names ``Module.<chunk>.module...``)
     and counts the iterations itself. The debugger is made at the first iteration, after pretrain() initialised
-    torch.distributed, so that each rank writes ``step{N}/rank{R}/``.
+    torch.distributed, so that each rank writes ``step{N}/rank{R}/``; after the iteration msprobe dumped, each rank
+    writes the record of the run beside msprobe's files (``template_path``: :func:`write_rank_record`).
     """
+    import torch
     from msprobe.pytorch import PrecisionDebugger
 
     original = training_module.train_step
@@ -319,6 +341,8 @@ def dump_each_iteration(training_module, config_path: str) -> None:
         finally:
             debugger.stop()
         debugger.step()
+        write_rank_record(config_path, template_path,
+                          torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         return result
 
     train_step.__wrapped__ = original
@@ -356,7 +380,7 @@ def main() -> None:
     if os.environ.get(DUMP_ENV):
         from megatron.training import training
 
-        dump_each_iteration(training, os.environ[DUMP_ENV])
+        dump_each_iteration(training, os.environ[DUMP_ENV], os.environ.get(RECORD_ENV))
     sys.argv = [entry] + sys.argv[1:]
     runpy.run_path(entry, run_name="__main__")
 

@@ -62,7 +62,8 @@ class DumpPair:
 
 def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics", level: str = "L0",
                        megatron: dict | None = None, fault: str | None = None, seed: int = 11,
-                       npu_of: DumpPair | None = None, timeout_s: float = 900) -> DumpPair:
+                       npu_of: DumpPair | None = None, run_id: str | None = None, settings: tuple[str, ...] = (),
+                       timeout_s: float = 900) -> DumpPair:
     """Both embedded trainers one iteration under msprobe, from one checkpoint and one batch (see the module).
 
     ``megatron``: the Megatron layout (``parallel.megatron`` fields; default TP 2 x EP 2 for a MoE config, TP 2
@@ -73,12 +74,18 @@ def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics",
     load (``crossalign/diagnose/ranks.py``, experts split over the layout's expert tensor size).
 
     ``npu_of``: an earlier pair of the same config, seed, task and level whose MindSpore dump this pair shares (the
-    MindSpore side does not depend on the Megatron layout or fault): the MindSpore trainer is not run again."""
+    MindSpore side does not depend on the Megatron layout or fault): the MindSpore trainer is not run again.
+
+    ``settings``: more ``--set`` overrides of the config both train with (``training.embedded_precision=bf16``: the
+    Megatron side computes in bf16, the MindSpore side in fp32 whatever it says).
+
+    ``run_id``: the run both trainings' dump records name (``crossalign_dump.json`` in each rank folder; default
+    ``<config>-<seed>``, which a pair sharing another's MindSpore dump shares too)."""
     out = Path(out)
     model = load_config(config_name).model
     layout = megatron if megatron is not None else (TP2_EP2 if model.is_moe else TP2)
     config = load_config(config_name, ONE_STEP + [f"parallel.megatron.{key}={str(value).lower()}"
-                                                  for key, value in layout.items()])
+                                                  for key, value in layout.items()] + list(settings))
     m = config.parallel.megatron
     write_mindformers_checkpoint(out / "mindformers", 1, random_mindformers_state(config.model, seed), None,
                                  default_common(1, config.training.global_batch_size))
@@ -118,6 +125,7 @@ def embedded_dump_pair(config_name: str, out: Path, *, task: str = "statistics",
     np.save(out / "batches.npy", tokens)
     (out / "config.json").write_text(config.model_dump_json())
     (out / "dump_settings.json").write_text(DumpSettings(step=0, level=level, task=task).model_dump_json())
+    (out / "run_id.txt").write_text(run_id or f"{config_name}-{seed}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if npu_of is not None:
         _check_same_mindspore_side(npu_of, out)
@@ -135,7 +143,7 @@ def _check_same_mindspore_side(earlier: DumpPair, out: Path) -> None:
     """An earlier pair's MindSpore dump stands for this pair's only where it trained the same config (but for the
     Megatron layout) from the same checkpoint on the same batch with the same dump settings."""
     before = earlier.npu.parents[1]
-    files = ["batches.npy", "dump_settings.json"] + [str(f.relative_to(out)) for f in (out / "mindformers").rglob("*")
+    files = ["batches.npy", "dump_settings.json", "run_id.txt"] + [str(f.relative_to(out)) for f in (out / "mindformers").rglob("*")
                                                      if f.is_file()]
     differs = [name for name in files if not (before / name).is_file() or
                (before / name).read_bytes() != (out / name).read_bytes()]
@@ -146,8 +154,11 @@ def _check_same_mindspore_side(earlier: DumpPair, out: Path) -> None:
 
 
 def _but_megatron(config: AlignmentConfig) -> dict:
+    """What the MindSpore side trains with: the config less the Megatron layout and the embedded megatron-train's
+    precision (the MindSpore trainer computes in fp32 whatever it says)."""
     settings = config.model_dump(mode="json")
     settings["parallel"].pop("megatron")
+    settings["training"].pop("embedded_precision")
     return settings
 
 
@@ -160,13 +171,14 @@ def _train_embedded(side: str, out: Path) -> None:
     config = _read_config(out)
     dump = DumpSettings.model_validate_json((out / "dump_settings.json").read_text())
     batches = list(np.load(out / "batches.npy"))
+    run_id = (out / "run_id.txt").read_text()
     data = DatasetFiles(out / "data", out / "tokenizer.json")  # unused: the trainers get the batches
     if side == "mindformers":
         from crossalign.sides.mindformers.embedded.trainer import train_on_batches
 
         train_on_batches(TrainRequest(config=config, side="mindformers", mode="align", data=data,
                                       output_dir=out / "mindspore", init_checkpoint=out / "mindformers",
-                                      dump=dump), batches)
+                                      dump=dump, run_id=run_id), batches)
         return
     from crossalign.sides.megatron.embedded.trainer import run_training
 
@@ -174,7 +186,7 @@ def _train_embedded(side: str, out: Path) -> None:
     source = out / (chosen.read_text() if chosen.exists() else "converted")
     checkpoint = read_megatron_checkpoint(source, config.model)
     run_training(TrainRequest(config=config, side="megatron", mode="align", data=data, output_dir=out / "megatron",
-                              init_checkpoint=source, dump=dump),
+                              init_checkpoint=source, dump=dump, run_id=run_id),
                  checkpoint.state, checkpoint.iteration, batches)
 
 

@@ -39,6 +39,7 @@ def main() -> None:
     trainer = SimpleNamespace(model=[mlp])
     grad = ms.value_and_grad(lambda x: mlp(x).sum(), None, mlp.trainable_params())
     os.environ["CROSSALIGN_MSPROBE_CONFIG"] = job["config"]
+    os.environ["CROSSALIGN_MSPROBE_RECORD"] = job["record"]
     outputs = []
     with msprobe_norm_on_cpu():
         for step in range(job["steps"]):

@@ -51,6 +51,47 @@ def _torch_step(net, batch: Batch) -> None:
     (loss + mtp.sum() + aux).backward()
 
 
+class ScaledGradient(torch.autograd.Function):
+    """The identity forward; the backward scales the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def perturb(net: torch.nn.Module, change: str) -> torch.nn.Module:
+    """A change to one side's computation, made before msprobe hooks the model (so that msprobe records what it
+    makes), the weights untouched; ``change`` is ``KIND:NAME*FACTOR``:
+
+    - ``output:MODULE*F``: the module computes its output scaled by F (its forward wrapped: msprobe's forward hook
+      runs before any other, msprobe/pytorch/dump/module_dump/module_processor.py ``move_to_end(last=False)``);
+    - ``grad:PARAMETER*F``: the parameter's gradient scaled by F (a tensor hook, before accumulation: the weight,
+      the forward and every activation gradient stay as they are);
+    - ``grad_input:MODULE*F``: the gradient the module's backward passes on to its input scaled by F (its forward
+      wrapped to take its input through :class:`ScaledGradient`, inside the module msprobe hooks)."""
+    kind, _, target = change.partition(":")
+    name, _, factor = target.partition("*")
+    scale = float(factor)
+    if kind == "output":
+        module = net.get_submodule(name)
+        forward = module.forward
+        module.forward = lambda *args, **kwargs: forward(*args, **kwargs) * scale
+    elif kind == "grad":
+        net.get_parameter(name).register_hook(lambda grad: grad * scale)
+    elif kind == "grad_input":
+        module = net.get_submodule(name)
+        forward = module.forward
+        module.forward = lambda x, *args, **kwargs: forward(ScaledGradient.apply(x, scale), *args, **kwargs)
+    else:
+        raise ValueError(f"unknown change {change!r}")
+    return net
+
+
 def torch_dumps(runs: list, out: Path, task: str = "statistics", level: str = "L0") -> Path:
     """One training step of the torch reference model per (model, Megatron state, batch, core version), dumped as
     msprobe steps 0, 1, ... of one PrecisionDebugger (one per process:
@@ -62,8 +103,10 @@ def torch_dumps(runs: list, out: Path, task: str = "statistics", level: str = "L
     out.mkdir(parents=True, exist_ok=True)
     config = write_msprobe_config(out / "config.json", out / "dump", task, level, list(range(len(runs))))
     debugger = PrecisionDebugger(config_path=str(config))
-    for model, state, batch, core_version in runs:
+    for model, state, batch, core_version, changes in runs:
         net, _ = build_megatron(model, state, core_version, strict=False)
+        for change in changes:
+            net = perturb(net, change)
         net = MegatronWrappers(net)
         net.train()
         debugger.start(model=net)
@@ -117,16 +160,18 @@ def _states(config_name: str, fault: str | None, layout: tuple[int, int, int]):
 
 
 def conversions(spec: str) -> tuple[str | None, tuple[int, int, int]]:
-    """``clean``, ``FAULT`` or ``FAULT@tp,pp,ep`` -> (fault or None, the layout it is converted into)."""
-    fault, _, layout = spec.partition("@")
+    """``clean``, ``FAULT`` or ``FAULT@tp,pp,ep`` (each optionally ``|CHANGE|...``, see ``perturb``) -> (fault or
+    None, the layout it is converted into)."""
+    fault, _, layout = spec.split("|")[0].partition("@")
     return (None if fault == "clean" else fault), tuple(int(n) for n in (layout or "1,1,1").split(","))
 
 
 def run_dumps(side: str, items: list[tuple[str, str]], out: Path, task: str = "statistics", level: str = "L0",
               seq: int = 8, batch: int = 1) -> dict[tuple[str, str], Path]:
     """Dumps in one fresh process (msprobe's PrecisionDebugger is a process-wide singleton), one per (config name,
-    conversion spec; see ``conversions``). The MindSpore side runs the MindFormers checkpoint itself, so its only
-    spec is 'clean'. Returns (config, spec) -> a dump
+    conversion spec; see ``conversions``, and ``perturb`` for the changes a PyTorch spec may add after ``|``). The
+    MindSpore side runs the MindFormers checkpoint itself, so its only spec is 'clean'. Returns (config, spec) -> a
+    dump
     root holding ``step0/`` (msprobe's step i of the process, moved to a folder of its own)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +183,7 @@ def run_dumps(side: str, items: list[tuple[str, str]], out: Path, task: str = "s
         raise RuntimeError(f"msprobe {side} dumps ({task}, {level}, {items}) failed:\n{result.stderr[-4000:]}")
     roots = {}
     for step, (name, spec) in enumerate(items):
-        root = out / name / spec.replace("@", "_at_").replace(",", "_")
+        root = out / name / "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
         root.mkdir(parents=True)
         shutil.move(str(out / "dump" / f"step{step}"), root / "step0")
         roots[name, spec] = root
@@ -158,7 +203,8 @@ def main(argv: list[str]) -> None:
                 raise SystemExit("the MindSpore side runs the MindFormers checkpoint itself: its only spec is 'clean'")
             runs.append((config.model, _states(name, None, (1, 1, 1))[1], the_batch))
         else:
-            runs.append((config.model, _states(name, *conversions(spec))[2], the_batch, core_version))
+            runs.append((config.model, _states(name, *conversions(spec))[2], the_batch, core_version,
+                         spec.split("|")[1:]))
     if side == "mindspore":
         mindspore_dumps(runs, Path(folder), task, level)
     else:

@@ -43,7 +43,7 @@ from crossalign.sides.launch import (
     write_run_script,
 )
 from crossalign.config import AlignmentConfig
-from crossalign.dump_settings import CONFIG_FILE, msprobe_import_check, write_msprobe_config
+from crossalign.dump_settings import CONFIG_FILE, RECORD_ENV, RECORD_TEMPLATE, msprobe_import_check
 from crossalign.patching import PATCH_DIR, megatron_core_version
 from crossalign.versions import version_tuple
 from crossalign.sides.megatron.args import megatron_args, swiglu_fusion_under
@@ -247,6 +247,7 @@ class MegatronBackend(FrameworkBackend):
                "CROSSALIGN_LOAD_DIGEST_DIR": str(request.output_dir.absolute() / LOAD_DIGEST_DIR), **site.env}
         if request.dump is not None:  # the launcher runs each iteration under msprobe (dump_each_iteration)
             env["CROSSALIGN_MSPROBE_CONFIG"] = str(request.output_dir.absolute() / CONFIG_FILE)
+            env[RECORD_ENV] = str(request.output_dir.absolute() / RECORD_TEMPLATE)  # each rank's record of the run
         layout = request.config.parallel.megatron
         if site.nproc_per_node < layout.cards_per_node:
             raise BackendSetupError(f"parallel.megatron.cards_per_node is {layout.cards_per_node}, but the site's "
@@ -286,7 +287,7 @@ class MegatronBackend(FrameworkBackend):
         request.output_dir.mkdir(parents=True, exist_ok=True)
         (request.output_dir / ARGS_FILE).write_text("\n".join(args) + "\n")
         if request.dump is not None:
-            write_msprobe_config(request.dump, request.output_dir, request.iterations)
+            request.write_dump_config()
         return write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, args))
 
     def train(self, request: TrainRequest) -> TrainResult:

@@ -24,7 +24,7 @@ from crossalign.sides.mindformers.yaml import dump_yaml, mindformers_yaml
 from crossalign.sides.mindformers.log_checks import parse_step_line, verify_built_model, verify_mindformers_log, verify_transformer_config
 from crossalign.sides.mindformers.load_digest import LOAD_DIGEST_DIR, LOAD_DIGEST_ENV, verify_load_digest
 from crossalign.tensorio.errors import CheckpointError
-from crossalign.dump_settings import CONFIG_FILE, msprobe_import_check, write_msprobe_config
+from crossalign.dump_settings import CONFIG_FILE, RECORD_ENV, RECORD_TEMPLATE, msprobe_import_check
 
 
 RUN_SCRIPT = "run_mindformers.sh"
@@ -92,6 +92,7 @@ class MindFormersBackend(FrameworkBackend):
             env[LOAD_DIGEST_ENV] = str(request.output_dir.absolute() / LOAD_DIGEST_DIR)
         if request.dump is not None:  # the mindformers-msprobe-dump patch runs each step under msprobe
             env[MSPROBE_ENV] = str(request.output_dir.absolute() / CONFIG_FILE)
+            env[RECORD_ENV] = str(request.output_dir.absolute() / RECORD_TEMPLATE)  # each rank's record of the run
         entry = [str(checkout / "run_mindformer.py"), "--mode", "1", "--config", str(config_path.absolute())]
         if nproc == 1:
             command = [site.python, *entry]
@@ -124,7 +125,7 @@ class MindFormersBackend(FrameworkBackend):
         request.output_dir.mkdir(parents=True, exist_ok=True)
         config_path = dump_yaml(data, request.output_dir / f"{request.mode}_train.yaml")
         if request.dump is not None:
-            write_msprobe_config(request.dump, request.output_dir, request.iterations)
+            request.write_dump_config()
         script = write_run_script(request.output_dir / RUN_SCRIPT, self.run_script(request, config_path))
 
         steps = request.iterations

@@ -6,7 +6,8 @@ Every rank makes msprobe's ``PrecisionDebugger`` from the step's ``config.json``
 (``[DDP(Float16Module(GPTModel))]``), so the module names are the ones a GPU run dumps
 (``Module.0.module.module.decoder.layers.0...``). msprobe itself picks the configured step and ranks and writes
 ``step{N}/rank{R}/{dump.json, construct.json, stack.json, dump_tensor_data/}``: the rank is the global rank of
-the gloo group (0 for a one-process run, which has no group).
+the gloo group (0 for a one-process run, which has no group). Beside msprobe's files each dumping rank writes the
+record of the run it belongs to (``crossalign_dump.json``, :func:`crossalign.dump_settings.write_rank_record`).
 
 msprobe's debugger is one per process (``msprobe/core/dump/debugger/precision_debugger.py:27-38``, a singleton
 that keeps its first config), which the embedded trainer's spawned ranks are.
@@ -23,12 +24,15 @@ from pathlib import Path
 
 import torch
 
+from crossalign.dump_settings import write_rank_record
+
 
 class IterationDump:
     """msprobe around each training iteration of one rank; a no-op without a config."""
 
     def __init__(self, config_path: Path | None):
         self._debugger = None
+        self._config_path = config_path
         if config_path is not None:
             from msprobe.pytorch import PrecisionDebugger  # heavy (patches torch on import): only when dumping
 
@@ -47,3 +51,4 @@ class IterationDump:
         finally:
             self._debugger.stop()
         self._debugger.step()
+        write_rank_record(self._config_path, self._rank)

@@ -49,7 +49,7 @@ from crossalign.sides.megatron.embedded.torch_trainer import (IterationStats, Me
                                                      megatron_log, megatron_lr)
 from crossalign.sides.megatron.args import UNFUSED_FOR_MIX, sample_order, swiglu_fusion_under
 from crossalign.sides.megatron.embedded.dump import IterationDump
-from crossalign.dump_settings import CONFIG_FILE, write_msprobe_config
+from crossalign.dump_settings import CONFIG_FILE
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -382,7 +382,7 @@ def run_training(request: TrainRequest, state: Mapping[str, torch.Tensor], check
         raise ValueError(f"{request.data.prefix}: {len(batches)} global batches for {total} iterations")
     request.output_dir.mkdir(parents=True, exist_ok=True)
     if request.dump is not None:  # every rank's debugger reads it; msprobe writes msprobe_dump/step{N}/rank{R}/
-        write_msprobe_config(request.dump, request.output_dir, request.iterations)
+        request.write_dump_config()
     if request.config.parallel.megatron.world_size > 1:
         if request.init_checkpoint is None:
             raise ValueError("init_checkpoint: a sharded run verifies what each rank loaded against its file of the "

@@ -42,7 +42,7 @@ import numpy as np
 
 from crossalign.sides.protocol import TrainRequest, TrainResult
 from crossalign.config import AlignmentConfig, TrainingConfig
-from crossalign.dump_settings import write_msprobe_config
+from crossalign.dump_settings import write_rank_record
 from crossalign.sides.mindformers.yaml import sample_order
 
 LOGGER_SOURCE = "mindformers/pynative/callback/loss_callback.py:337"  # 2.1.0's logger.info of the line
@@ -283,10 +283,12 @@ class IterationDump:
     in one process, without a communication group, where msprobe would name the folder ``proc{pid}``). On
     MindSpore's CPU backend msprobe's norm statistic has no kernel: ``msprobe_norm_on_cpu`` stands in for it
     (``crossalign/sides/mindformers/dump.py``). msprobe's debugger is one per process (its first config stays).
+    Beside msprobe's files, the record of the run (``crossalign_dump.json``, ``dump_settings.write_rank_record``).
     """
 
     def __init__(self, config_path: Path | None):
         self._debugger = None
+        self._config_path = config_path
         if config_path is not None:
             from msprobe.mindspore import PrecisionDebugger  # heavy (hooks MindSpore's APIs): only when dumping
 
@@ -306,6 +308,7 @@ class IterationDump:
             finally:
                 self._debugger.stop()
             self._debugger.step()
+        write_rank_record(self._config_path, 0)
 
 
 def initial_state(request: TrainRequest) -> dict:
@@ -339,8 +342,7 @@ def train_on_batches(request: TrainRequest, batches: Sequence[np.ndarray]) -> Tr
     started = time.perf_counter()
     trainer = _Trainer(request.config, initial_state(request))
     request.output_dir.mkdir(parents=True, exist_ok=True)
-    dump = IterationDump(None if request.dump is None else write_msprobe_config(request.dump, request.output_dir,
-                                                                                  total))
+    dump = IterationDump(None if request.dump is None else request.write_dump_config())
     if request.dump is not None and request.dump.level == "mix":  # msprobe wraps every API: no ms.jit graph
         trainer.net.eager_rule()
     log_dir = request.named_output_dir / "log"  # MindFormers names its log folder in every line
