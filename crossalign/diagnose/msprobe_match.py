@@ -31,7 +31,7 @@ from crossalign.checkpoint.rules import ZeroCentre, conversion_plan
 from crossalign.config import ModelConfig
 from crossalign.diagnose.causes import BACKWARD, EVIDENCE, FORWARD, GRADIENT, WEIGHT, Evidence, KnownCause, explain
 from crossalign.diagnose.compare import Thresholds
-from crossalign.diagnose.mapping import FUSED_NORM_PARAMETER, ModuleMapping
+from crossalign.diagnose.mapping import ModuleMapping
 from crossalign.diagnose.msprobe_dump import MsprobeDumpError
 from crossalign.diagnose.msprobe_metrics import TensorMetrics, md5_result, statistics_warning, tensor_metrics
 from crossalign.diagnose.msprobe_precision import PrecisionChoice

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from crossalign.config import ModelConfig, load_config
+from crossalign.config import load_config
 from crossalign.diagnose.ranks import read_as_megatron_loads
 from crossalign.diagnose.references import Batch, build_megatron, random_batch
 from crossalign.diagnose.selfcheck import make_checkpoints
