@@ -177,8 +177,8 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
     the README says runs, compare follows it, and the run still passes. The live comparison is shown, and
     updated, while both trainings run."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId,
-                                                TaskRunFilter, TaskRunFilterFlowRunId)
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, LogFilter,
+                                                LogFilterFlowRunId, TaskRunFilter, TaskRunFilterFlowRunId)
     from prefect.deployments import run_deployment
 
     from crossalign.agents.automation import DEFAULT_ZOMBIE_AFTER_S
@@ -257,10 +257,11 @@ def test_tiny_dense_alignment_through_the_deployments(stack, prefect_client_sett
             log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[megatron.id])))]
         assert any("megatron-train iteration 20/20: lm_loss" in line for line in logs), logs[-20:]
         progress = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
-            "megatron-train-progress"])))
+            "megatron-train-progress"]), flow_run_id=ArtifactFilterFlowRunId(any_=[megatron.id])))
         assert progress and progress[-1].type == "progress" and float(progress[-1].data) == 100.0
         report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[
-            "compare-metrics", "alignment-steps", "compare-report-link", "compare-loss-plot"])))
+            "compare-metrics", "alignment-steps", "compare-report-link", "compare-loss-plot"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[parent.id])))  # the session's server holds other tests' too
         assert sorted(a.key for a in report) == ["alignment-steps", "compare-loss-plot", "compare-metrics",
                                                  "compare-report-link"], "each made once"
         assert {a.flow_run_id for a in report} == {parent.id}, "the parent shows them"
@@ -586,7 +587,8 @@ class _Hook(BaseHTTPRequestHandler):
 
 def test_automations_are_created_and_the_nightly_failure_alert_fires(stack, prefect_client_settings):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId,
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, LogFilter,
+                                                LogFilterFlowRunId,
                                                 LogFilterLevel)
     from prefect.deployments import run_deployment
 
