@@ -587,8 +587,7 @@ class _Hook(BaseHTTPRequestHandler):
 
 def test_automations_are_created_and_the_nightly_failure_alert_fires(stack, prefect_client_settings):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey, LogFilter,
-                                                LogFilterFlowRunId,
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId,
                                                 LogFilterLevel)
     from prefect.deployments import run_deployment
 
